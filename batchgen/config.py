@@ -1,0 +1,48 @@
+"""Engine settings: one dataclass that checks its own values."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # local HF directory; None = the embedded default model
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # per-step token budget; None: 8192 on CUDA, 2048 on CPU
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kv_cache_tokens: int | None = None  # KV pool size in tokens; None: from the memory budget
+    cpu_kv_cache_gb: float = 4.0  # KV pool byte budget on CPU
+    seed: int = 0  # job seed: rows without their own seed get one derived from (seed, id)
+    trust_remote_code: bool = False  # only for tokenizers; batchgen never runs a checkpoint's model code
+
+    def __post_init__(self):
+        def need(ok: bool, option: str, what: str):
+            if not ok:
+                raise ValueError(f"invalid --{option.replace('_', '-')}: {what}")
+
+        need(self.dtype in DTYPES, "dtype", f"{self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        need(self.device in DEVICES, "device", f"{self.device!r}; choose one of {', '.join(DEVICES)}")
+        need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        if self.max_num_batched_tokens is not None:
+            need(
+                self.max_num_batched_tokens >= self.max_num_seqs,
+                "max_num_batched_tokens",
+                f"{self.max_num_batched_tokens} is below --max-num-seqs ({self.max_num_seqs}); "
+                "every running sequence needs room for its decode token",
+            )
+        need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
+        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        need(self.kv_cache_tokens is None or self.kv_cache_tokens >= 1, "kv_cache_tokens", "must be >= 1")
+        need(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb", "must be > 0")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

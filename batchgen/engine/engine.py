@@ -1,0 +1,163 @@
+"""The engine loop: requests in, one scheduled batch per step through the runner, finished
+sequences out with their text and metrics."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from batchgen.config import EngineConfig
+from batchgen.engine.request import KNOWN_FIELDS, Sequence, make_sequence
+from batchgen.engine.runner import ModelRunner
+from batchgen.engine.scheduler import Scheduler
+from batchgen.models.model_config import load_model_config
+from batchgen.models.resolve import resolve_model_dir
+from batchgen.sampling_params import SamplingParams
+
+log = logging.getLogger("batchgen")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        if config.tensor_parallel_size != 1:
+            raise ValueError("invalid --tensor-parallel-size: only 1 is supported in this version")
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_cfg = load_model_config(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=config.trust_remote_code)
+        self.runner = ModelRunner(config, self.model_dir, self.model_cfg)
+        self.kv = self.runner.kv
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.runner.max_num_batched_tokens)
+        # a request longer than this can never run: the model's length, or the whole pool
+        self.max_request_len = min(self.runner.max_model_len, self.kv.num_slots)
+        self.eos_ids = self.model_cfg.eos_token_ids or (
+            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        )
+        log.info("engine ready: %s", self.describe())
+
+    def describe(self) -> dict:
+        return {
+            "model": str(self.model_dir),
+            "architecture": self.model_cfg.architecture,
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "device": str(self.runner.device),
+            "max_model_len": self.runner.max_model_len,
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.runner.max_num_batched_tokens,
+            "kv_cache_tokens": self.kv.num_slots,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "seed": self.config.seed,
+        }
+
+    def make_sequence(self, row: dict, defaults: SamplingParams) -> Sequence:
+        """Validate a request row; raises RequestError with a one-line reason."""
+        return make_sequence(
+            row, defaults, self.config.seed, self.tokenizer, self.model_cfg.vocab_size, self.eos_ids,
+            self.max_request_len,
+        )
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Sequence]:
+        """Schedule and run one batch; -> the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+        seqs, tokens = self.runner.step(batch)
+        now = time.monotonic()
+        finished = []
+        for seq, token in zip(seqs, tokens):
+            seq.token_ids.append(token)
+            if seq.first_token is None:
+                seq.first_token = now
+            if self._check_finished(seq, token):
+                seq.finished_at = now
+                self.scheduler.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def abort_all(self) -> None:
+        for seq in list(self.scheduler.running):
+            self.scheduler.finish(seq)
+        self.scheduler.waiting.clear()
+
+    def _check_finished(self, seq: Sequence, token: int) -> bool:
+        params = seq.params
+        if token in seq.stop_ids and seq.num_generated > params.min_tokens - 1:
+            seq.finish_reason = "stop"
+            seq.text = self.decode(seq.output_ids[:-1])
+            return True
+        if params.stop:
+            text = self.decode(seq.output_ids)
+            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+            if cut >= 0 and seq.num_generated >= params.min_tokens:
+                seq.finish_reason, seq.text = "stop", text[:cut]
+                return True
+        if seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_request_len:
+            seq.finish_reason = "length"
+            seq.text = self.decode(seq.output_ids)
+            return True
+        return False
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def result_row(seq: Sequence) -> dict:
+    """DESIGN.md's output row of a finished sequence."""
+    out_ids = seq.output_ids
+    queue = seq.first_scheduled - seq.arrival
+    ttft = seq.first_token - seq.arrival
+    prefill = seq.first_token - seq.first_scheduled
+    decode = seq.finished_at - seq.first_token
+    return {
+        "id": seq.id,
+        **seq.extras,
+        "text": seq.text,
+        "output_token_ids": out_ids,
+        "finish_reason": seq.finish_reason,
+        "error": None,
+        "prompt_tokens": seq.num_prompt,
+        "completion_tokens": len(out_ids),
+        "cached_prompt_tokens": 0,
+        "num_preemptions": seq.num_preemptions,
+        "queue_s": queue,
+        "ttft_s": ttft,
+        "prefill_s": prefill,
+        "decode_s": decode,
+        "e2e_s": seq.finished_at - seq.arrival,
+        "decode_tokens_per_s": (len(out_ids) - 1) / decode if decode > 0 and len(out_ids) > 1 else None,
+    }
+
+
+def error_row(row, message: str) -> dict:
+    extras = {k: v for k, v in row.items() if k not in KNOWN_FIELDS} if isinstance(row, dict) else {}
+    return {
+        "id": row.get("id") if isinstance(row, dict) else None,
+        **extras,
+        "text": None,
+        "output_token_ids": [],
+        "finish_reason": "error",
+        "error": message,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "cached_prompt_tokens": 0,
+        "num_preemptions": 0,
+        "queue_s": None,
+        "ttft_s": None,
+        "prefill_s": None,
+        "decode_s": None,
+        "e2e_s": None,
+        "decode_tokens_per_s": None,
+    }
+

@@ -1,0 +1,33 @@
+"""The tensors of one model step: a packed ("nopad") token array and per-sequence index tensors.
+
+Sequences are ordered decodes first: the first `num_decode` sequences contribute one token each
+(tokens [0, num_decode)), the remaining `prefill` sequences contribute chunks of their prompts
+(tokens [num_decode, T)). All tensors live on the model's device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, position of each token in its sequence
+    out_slots: torch.Tensor  # [T] int64, KV pool slot where each token's K/V is stored
+    req_to_token: torch.Tensor  # [max_num_seqs, max_model_len] int32, (row, position) -> slot
+    num_decode: int
+    decode_rows: torch.Tensor  # [D] int32, req_to_token row of each decode sequence
+    decode_kv_lens: torch.Tensor  # [D] int32, context length including the new token
+    decode_max_kv_len: int
+    prefill_rows: torch.Tensor  # [P] int32
+    prefill_q_start: torch.Tensor  # [P] int32, first token of the chunk, relative to num_decode
+    prefill_q_lens: torch.Tensor  # [P] int32, chunk length
+    prefill_kv_lens: torch.Tensor  # [P] int32, cached tokens + chunk
+    prefill_max_q_len: int
+    logits_indices: torch.Tensor  # [S] int64, tokens whose next-token logits are sampled
+
+    @property
+    def num_prefill(self) -> int:
+        return self.prefill_rows.shape[0]

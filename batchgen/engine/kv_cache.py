@@ -1,0 +1,50 @@
+"""Token-granularity KV cache ("token attention").
+
+One pool of `num_slots` token slots per layer, k and v each [num_layers, num_slots, kv_heads, head_dim]
+on the device; a free list of slot indices (host side); a `req_to_token` table [max_num_seqs,
+max_model_len] int32 on the device mapping (request row, position) -> slot. Allocation is per token:
+no block rounding, no fragmentation.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, max_num_seqs: int,
+        max_model_len: int, dtype: torch.dtype, device: torch.device,
+    ):
+        self.num_slots = num_slots
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.req_to_token = torch.zeros((max_num_seqs, max_model_len), dtype=torch.int32, device=device)
+        # free slots are free_slots[:num_free]; allocation pops from the end
+        self.free_slots = torch.arange(num_slots, dtype=torch.int64).flip(0).contiguous()
+        self.num_free = num_slots
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def alloc(self, n: int) -> torch.Tensor:
+        assert 0 < n <= self.num_free, f"asked for {n} slots, {self.num_free} free"
+        self.num_free -= n
+        return self.free_slots[self.num_free : self.num_free + n].clone()
+
+    def free(self, slots: torch.Tensor) -> None:
+        n = slots.numel()
+        self.free_slots[self.num_free : self.num_free + n] = slots
+        self.num_free += n
+
+    def alloc_row(self) -> int:
+        return self.free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        self.free_rows.append(row)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - self.num_free

@@ -1,0 +1,213 @@
+"""Model runner: owns the model and the KV pool on one device, turns a scheduled batch into a
+ForwardBatch, runs the model and samples."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from batchgen.config import EngineConfig
+from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.engine.kv_cache import KVCache
+from batchgen.engine.parallel import SINGLE, TensorParallel
+from batchgen.engine.request import Sequence
+from batchgen.engine.scheduler import ScheduledBatch
+from batchgen.layers.sampler import SamplingBatch, sample
+from batchgen.models.loader import build_model
+from batchgen.models.model_config import ModelConfig
+
+log = logging.getLogger("batchgen")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("invalid --device: cuda was asked for but no CUDA GPU is visible; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    # on a GPU, half precision: the checkpoint's own when it has one, bf16 for fp32 checkpoints
+    return DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: ModelConfig, tp: TensorParallel = SINGLE):
+        self.config = config
+        self.model_cfg = model_cfg
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_cfg.torch_dtype, self.device)
+        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        if model_cfg.sliding_window:  # we attend to the whole context: stay inside the window
+            self.max_model_len = min(self.max_model_len, model_cfg.sliding_window)
+        default_budget = 8192 if self.device.type == "cuda" else 2048
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(default_budget, config.max_num_seqs)
+        self.model = build_model(model_cfg, model_dir, self.dtype, self.device, self.max_model_len, tp)
+        attn = self.model.attention_layers()[0]
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.kv = self._make_kv_cache(self._num_kv_slots())
+        self.pin = self.device.type == "cuda"
+
+    # ---- KV pool -------------------------------------------------------------------------------
+    def _make_kv_cache(self, num_slots: int) -> KVCache:
+        kv = KVCache(
+            self.model_cfg.num_layers, num_slots, self.num_kv_heads, self.head_dim, self.config.max_num_seqs,
+            self.max_model_len, self.dtype, self.device,
+        )
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.k_cache, layer.v_cache = kv.k[i], kv.v[i]
+        return kv
+
+    def _num_kv_slots(self) -> int:
+        cfg = self.config
+        useful = cfg.max_num_seqs * self.max_model_len  # more slots than this can never be used
+        if cfg.kv_cache_tokens:
+            return cfg.kv_cache_tokens
+        per_token = KVCache.bytes_per_token(self.model_cfg.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        if self.device.type == "cpu":
+            budget = cfg.cpu_kv_cache_gb * 2**30
+        else:
+            peak = self._profile_peak_bytes()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * cfg.gpu_memory_utilization - (total - free) - peak
+            log.info("GPU memory: %.1f GiB total, %.1f GiB used, %.1f GiB activation peak, %.1f GiB for KV",
+                     total / 2**30, (total - free) / 2**30, peak / 2**30, max(budget, 0) / 2**30)
+        slots = min(int(budget // per_token), useful)
+        if slots < self.max_model_len and slots < 16:
+            raise ValueError(
+                f"no memory left for the KV cache ({slots} token slots); raise --gpu-memory-utilization, "
+                "lower --max-num-batched-tokens, or set --kv-cache-tokens"
+            )
+        return slots
+
+    def _profile_peak_bytes(self) -> int:
+        """Run the largest step (a full token budget, logits for max_num_seqs rows) on a scratch pool
+        and measure the activation memory it needs beyond the weights."""
+        tokens = self.max_num_batched_tokens
+        scratch = self._make_kv_cache(tokens)
+        seqs = min(self.config.max_num_seqs, tokens)
+        lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+        lens = [n for n in lens if n > 0]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        starts = torch.tensor([0] + lens[:-1]).cumsum(0)
+        batch = ForwardBatch(
+            input_ids=torch.zeros(tokens, dtype=torch.int64, device=self.device),
+            positions=torch.cat([torch.arange(n) for n in lens]).to(self.device),
+            out_slots=torch.arange(tokens, device=self.device),
+            req_to_token=scratch.req_to_token,
+            num_decode=0,
+            decode_rows=torch.zeros(0, dtype=torch.int32, device=self.device),
+            decode_kv_lens=torch.zeros(0, dtype=torch.int32, device=self.device),
+            decode_max_kv_len=0,
+            prefill_rows=torch.arange(len(lens), dtype=torch.int32, device=self.device),
+            prefill_q_start=starts.to(torch.int32).to(self.device),
+            prefill_q_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            prefill_kv_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            prefill_max_q_len=max(lens),
+            logits_indices=(starts + torch.tensor(lens) - 1).to(self.device),
+        )
+        for row, (start, n) in enumerate(zip(starts.tolist(), lens)):
+            scratch.req_to_token[row, :n] = torch.arange(start, start + n, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(batch)
+            logits = self.model.compute_logits(hidden.expand(self.config.max_num_seqs, -1))
+            sample(logits, self._profile_sampling(logits.shape[0]))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, batch, hidden, logits
+        for layer in self.model.attention_layers():
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        torch.cuda.empty_cache()
+        return peak
+
+    def _profile_sampling(self, n: int) -> SamplingBatch:
+        dev = self.device
+        return SamplingBatch(
+            temperatures=torch.ones(n, device=dev), top_ks=torch.full((n,), 50, device=dev),
+            top_ps=torch.full((n,), 0.9, device=dev), seeds=torch.zeros(n, dtype=torch.int64, device=dev),
+            steps=torch.zeros(n, dtype=torch.int64, device=dev), all_greedy=False, use_top_k_top_p=True,
+        )
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype, pin_memory=self.pin)
+        return t.to(self.device, non_blocking=True)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence]]:
+        """-> the ForwardBatch, and the sequences that sample a token this step (in logits order)."""
+        input_ids, positions, token_rows, logits_indices, samplers = [], [], [], [], []
+        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new):
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            token_rows.extend([seq.row] * n)
+            if start + n == seq.num_tokens:  # the chunk reaches the end: sample the next token
+                logits_indices.append(len(input_ids) - 1)
+                samplers.append(seq)
+        nd = batch.num_decode
+        decode, prefill = range(nd), range(nd, len(batch.seqs))
+        q_start, offset = [], 0
+        for i in prefill:
+            q_start.append(offset)
+            offset += batch.num_new[i]
+        positions_t = self._tensor(positions, torch.int64)
+        out_slots = torch.cat(batch.slots).to(self.device, non_blocking=True)
+        self.kv.req_to_token[self._tensor(token_rows, torch.int64), positions_t] = out_slots.to(torch.int32)
+        i32 = torch.int32
+        fb = ForwardBatch(
+            input_ids=self._tensor(input_ids, torch.int64),
+            positions=positions_t,
+            out_slots=out_slots,
+            req_to_token=self.kv.req_to_token,
+            num_decode=nd,
+            decode_rows=self._tensor([batch.seqs[i].row for i in decode], i32),
+            decode_kv_lens=self._tensor([batch.starts[i] + 1 for i in decode], i32),
+            decode_max_kv_len=max((batch.starts[i] + 1 for i in decode), default=0),
+            prefill_rows=self._tensor([batch.seqs[i].row for i in prefill], i32),
+            prefill_q_start=self._tensor(q_start, i32),
+            prefill_q_lens=self._tensor([batch.num_new[i] for i in prefill], i32),
+            prefill_kv_lens=self._tensor([batch.starts[i] + batch.num_new[i] for i in prefill], i32),
+            prefill_max_q_len=max((batch.num_new[i] for i in prefill), default=0),
+            logits_indices=self._tensor(logits_indices, torch.int64),
+        )
+        return fb, samplers
+
+    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        vocab = self.model_cfg.vocab_size
+        params = [s.params for s in seqs]
+        banned_rows, banned_ids = [], []
+        for i, s in enumerate(seqs):
+            if s.num_generated < s.params.min_tokens:
+                banned_rows.extend([i] * len(s.stop_ids))
+                banned_ids.extend(s.stop_ids)
+        return SamplingBatch(
+            temperatures=self._tensor([p.temperature for p in params], torch.float32),
+            top_ks=self._tensor([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
+            top_ps=self._tensor([p.top_p for p in params], torch.float32),
+            seeds=self._tensor([p.seed or 0 for p in params], torch.int64),
+            steps=self._tensor([s.num_generated for s in seqs], torch.int64),
+            all_greedy=all(p.greedy for p in params),
+            use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            banned_rows=self._tensor(banned_rows, torch.int64) if banned_rows else None,
+            banned_ids=self._tensor(banned_ids, torch.int64) if banned_rows else None,
+        )
+
+    @torch.inference_mode()
+    def step(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
+        """Run one batch; -> the sequences that sampled and their new tokens."""
+        fb, samplers = self.prepare(batch)
+        hidden = self.model(fb)
+        if not samplers:
+            return [], []
+        logits = self.model.compute_logits(hidden)
+        tokens = sample(logits, self.sampling_batch(samplers))
+        return samplers, tokens.tolist()

@@ -1,0 +1,40 @@
+"""Vocabulary-parallel embedding and LM head: rank r holds rows [r * V/tp, (r+1) * V/tp) of the
+(padded) vocabulary. The embedding zeroes ids of other ranks and all-reduces; the head computes its
+slice of the logits and gathers them."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.engine.parallel import SINGLE, TensorParallel
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        rows = loaded[self.start : self.start + self.rows_per_rank]
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.rows_per_rank)
+        out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H] (only the tokens that sample) -> logits [S, vocab] in fp32."""
+        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[:, : self.vocab_size].float()

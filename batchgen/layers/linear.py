@@ -1,0 +1,103 @@
+"""Tensor-parallel linear layers. Each parameter carries a `weight_loader(param, loaded, shard)` that
+copies its own slice of a checkpoint tensor, so the model loader stays a few lines.
+
+ColumnParallelLinear: weight [out / tp, in]   (each rank computes a slice of the outputs)
+RowParallelLinear:    weight [out, in / tp]   (each rank a partial sum; all-reduced)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.engine.parallel import SINGLE, TensorParallel
+
+
+def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    assert param.shape == loaded.shape, f"shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.out_per_rank = tp.split(out_features, "output features")
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        _copy(param, loaded.narrow(0, self.tp.rank * self.out_per_rank, self.out_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matrix (gate and up): each rank holds its slice of each."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TensorParallel = SINGLE):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        index = int(shard)
+        size = self.out_sizes[index] // self.tp.size
+        offset = sum(self.out_sizes[:index]) // self.tp.size
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matrix: rows [q heads | k heads | v heads] of this rank.
+    KV heads are split across ranks, or replicated when there are fewer KV heads than ranks."""
+
+    def __init__(
+        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+        tp: TensorParallel = SINGLE,
+    ):
+        self.head_dim = head_dim
+        self.num_heads = tp.split(num_heads, "attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = tp.split(num_kv_heads, "KV heads")
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:  # replicate: ranks that share a KV head hold the same copy
+            if tp.size % num_kv_heads:
+                raise ValueError(f"tensor-parallel size {tp.size} is not a multiple of the {num_kv_heads} KV heads")
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank * num_kv_heads // tp.size
+        total = (num_heads + 2 * self.num_kv_heads * tp.size) * head_dim
+        super().__init__(hidden, total, bias, tp)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        if shard == "q":
+            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
+        else:
+            offset = self.q_size if shard == "k" else self.q_size + self.kv_size
+            size, start = self.kv_size, self.kv_head_start * self.head_dim
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.tp = tp
+        self.in_per_rank = tp.split(in_features, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = lambda param, loaded, shard=None: _copy(param, loaded)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        _copy(param, loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

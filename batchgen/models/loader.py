@@ -1,0 +1,75 @@
+"""Load a local HF checkpoint directory: config.json, *.safetensors (sharded or not), tokenizer files.
+Weights are read only from safetensors (never pickle)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from batchgen.engine.parallel import SINGLE, TensorParallel
+from batchgen.models.llama import LlamaForCausalLM
+from batchgen.models.model_config import ModelConfig
+
+SKIPPED_WEIGHTS = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (batchgen does not load pickle files)")
+    return files
+
+
+def _our_name(name: str, mapping: dict) -> tuple[str, str | None]:
+    name = name.removeprefix("model.")
+    for theirs, (ours, shard) in mapping.items():
+        if f".{theirs}." in name:
+            return name.replace(f".{theirs}.", f".{ours}."), shard
+    return name, None
+
+
+def load_weights(model: nn.Module, model_dir: Path) -> None:
+    params = dict(model.named_parameters())
+    loaded = set()
+    tied = getattr(model, "cfg", None) is not None and model.cfg.tie_word_embeddings
+    for file in safetensors_files(model_dir):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(SKIPPED_WEIGHTS) or (tied and name == "lm_head.weight"):
+                    continue
+                ours, shard = _our_name(name, model.packed_modules_mapping)
+                param = params.get(ours)
+                if param is None:
+                    raise ValueError(f"checkpoint weight {name!r} has no place in the model")
+                tensor = f.get_tensor(name).to(param.dtype)
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    param.data.copy_(tensor)
+                else:
+                    loader(param, tensor, shard)
+                loaded.add(ours)
+    missing = set(params) - loaded - ({"lm_head.weight"} if tied else set())
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks weights: {', '.join(sorted(missing)[:5])}")
+
+
+def build_model(
+    cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
+    tp: TensorParallel = SINGLE,
+) -> LlamaForCausalLM:
+    with torch.device(device):
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = LlamaForCausalLM(cfg, max_positions, tp)
+        finally:
+            torch.set_default_dtype(default_dtype)
+    load_weights(model, model_dir)
+    return model.eval()

@@ -1,0 +1,56 @@
+"""Sampling parameters of one request: the job's defaults, overridden per row."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = off
+    seed: int | None = None  # None: derived from the job seed and the request id
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError naming the first field out of range."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+def derive_seed(job_seed: int, request_id) -> int:
+    """A request's seed from the job seed and its id: stable across runs, shards and resumes."""
+    digest = hashlib.blake2b(f"{job_seed}\x00{request_id!r}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
