@@ -3,8 +3,218 @@ through the token table (slot(i, p) = req_to_token[req_rows[i], p], p < kv_lens[
 token's own K/V is already stored). GQA: query head h reads KV head h // (Hq / Hk).
 
     o_i = softmax(q_i K_i^T * scale) V_i
+
+The Triton version is flash-decoding in two launches.
+Stage 1: program (i, kv head, c) takes split c = [c * S, (c + 1) * S) of sequence i's context and
+all G = Hq / Hk query heads of the kv head at once (one [G, BLOCK_N] tile per step, so the keys
+and values are read once per group), and writes for each query head, with s = q.k * scale * log2(e),
+    lse_c = m_c + log2(sum_{p in c} 2^(s_p - m_c)),   o_c = sum_{p in c} 2^(s_p - lse_c) v_p
+(m_c: max of s over the split). Splits that start past kv_lens[i] write nothing.
+Stage 2: program (i, q head) merges the C_i = ceil(kv_lens[i] / S) splits of the sequence:
+    o = sum_c 2^(lse_c - lse) o_c,   lse = log2(sum_c 2^lse_c)
+A sequence with kv_lens[i] == 0 gets o = 0 (the reference gives NaN).
 """
+import math
+
 import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [B, Hq, D] (may be a slice of the fused qkv output)
+    q_stride_b,  # elements between two sequences of q
+    q_stride_h,  # elements between two heads of q
+    k_cache_ptr,  # [num_slots, Hk, D]
+    v_cache_ptr,  # [num_slots, Hk, D]
+    cache_stride_s,  # elements between two slots of either cache
+    cache_stride_h,  # elements between two heads of either cache
+    req_to_token_ptr,  # [rows, max_len] int32 slot of each (request row, position)
+    req_to_token_stride,  # elements between two rows of req_to_token
+    req_rows_ptr,  # [B] int32 row of each sequence in req_to_token
+    kv_lens_ptr,  # [B] int32 context length of each sequence
+    part_o_ptr,  # [B, Hq, C, D] fp32 o_c of each split (contiguous)
+    part_lse_ptr,  # [B, Hq, C] fp32 lse_c of each split (contiguous)
+    num_q_heads,  # Hq
+    num_splits,  # C
+    split_len,  # S, a multiple of BLOCK_N
+    qk_scale,  # softmax scale * log2(e)
+    head_dim,  # D
+    GROUP: tl.constexpr,  # G = Hq / Hk
+    BLOCK_G: tl.constexpr,  # next power of 2 >= G, at least 16 (the smallest tl.dot tile)
+    BLOCK_N: tl.constexpr,  # keys per step
+    BLOCK_D: tl.constexpr,  # next power of 2 >= D, at least 16
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2).to(tl.int64)
+    kv_len = tl.load(kv_lens_ptr + seq)
+    split_start = split * split_len
+    if split_start >= kv_len:
+        return
+    split_end = tl.minimum(split_start + split_len, kv_len)
+    token_row = req_to_token_ptr + tl.load(req_rows_ptr + seq).to(tl.int64) * req_to_token_stride
+
+    group = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    group_mask = group < GROUP
+    dim_mask = dims < head_dim
+    heads = kv_head * GROUP + group  # query heads of this kv head
+    q = tl.load(
+        q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
+        mask=group_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    # The first block holds the split's first key (< kv_len), so m_i is finite after it.
+    for start_n in range(split_start, split_end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)  # key positions
+        col_mask = cols < split_end
+        slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)
+        kv_offs = slots[:, None] * cache_stride_s + kv_head * cache_stride_h + dims[None, :]
+        kv_mask = col_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(col_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    part = (seq * num_q_heads + heads) * num_splits + split  # row of [B * Hq * C]
+    tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=group_mask)
+    tl.store(
+        part_o_ptr + part[:, None] * head_dim + dims[None, :],
+        acc / l_i[:, None],
+        mask=group_mask[:, None] & dim_mask[None, :],
+    )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr,  # [B, Hq, C, D] fp32 o_c of each split (contiguous)
+    part_lse_ptr,  # [B, Hq, C] fp32 lse_c of each split (contiguous)
+    kv_lens_ptr,  # [B] int32 context length of each sequence
+    out_ptr,  # [B, Hq, D]
+    out_stride_b,  # elements between two sequences of out
+    out_stride_h,  # elements between two heads of out
+    num_q_heads,  # Hq
+    num_splits,  # C
+    split_len,  # S
+    head_dim,  # D
+    BLOCK_D: tl.constexpr,  # next power of 2 >= D
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    kv_len = tl.load(kv_lens_ptr + seq)
+    used_splits = (kv_len + split_len - 1) // split_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    part = (seq * num_q_heads + head) * num_splits  # first split of this (sequence, head)
+
+    out_ptrs = out_ptr + seq * out_stride_b + head * out_stride_h + dims
+    if used_splits == 0:  # empty context: no split wrote anything
+        tl.store(out_ptrs, tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=dim_mask)
+        return
+    # Start from split 0 and fold in the others.
+    lse = tl.load(part_lse_ptr + part)  # log2 of the sum of weights so far
+    acc = tl.load(part_o_ptr + part * head_dim + dims, mask=dim_mask, other=0.0)
+    for c in range(1, used_splits):
+        lse_c = tl.load(part_lse_ptr + part + c)
+        o_c = tl.load(part_o_ptr + (part + c) * head_dim + dims, mask=dim_mask, other=0.0)
+        m = tl.maximum(lse, lse_c)
+        lse_new = m + tl.log2(tl.exp2(lse - m) + tl.exp2(lse_c - m))
+        acc = acc * tl.exp2(lse - lse_new) + o_c * tl.exp2(lse_c - lse_new)
+        lse = lse_new
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def _pick_split_len(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, sms: int) -> int:
+    """Fewest splits that give about 2 programs per SM: S = max_kv_len / splits, rounded up to a
+    multiple of BLOCK_N."""
+    splits = max(1, min(triton.cdiv(2 * sms, num_seqs * num_kv_heads), triton.cdiv(max_kv_len, block_n)))
+    return triton.cdiv(triton.cdiv(max_kv_len, splits), block_n) * block_n
+
+
+def _decode_attention_launch(
+    q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale,
+    split_len, block_n, num_warps, num_stages,
+):
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    assert num_q_heads == group * num_kv_heads and k_cache.shape[2] == head_dim
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
+    assert req_to_token.stride(1) == 1 and split_len % block_n == 0
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    num_splits = max(triton.cdiv(max_kv_len, split_len), 1)
+    part_o = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, q.stride(0), q.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+        req_to_token, req_to_token.stride(0),
+        req_rows, kv_lens,
+        part_o, part_lse,
+        num_q_heads, num_splits, split_len,
+        scale * math.log2(math.e),
+        head_dim,
+        GROUP=group,
+        BLOCK_G=max(triton.next_power_of_2(group), 16),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    _decode_merge_kernel[(num_seqs, num_q_heads)](
+        part_o, part_lse, kv_lens,
+        out, out.stride(0), out.stride(1),
+        num_q_heads, num_splits, split_len, head_dim,
+        BLOCK_D=block_d,
+        num_warps=1 if block_d <= 64 else 2,
+    )
+    return out
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    kv_lens: torch.Tensor,
+    max_kv_len: int,
+    scale: float,
+) -> torch.Tensor:
+    block_n, num_warps, num_stages = 64, 4, 2
+    sms = _num_sms(q.device) if q.is_cuda else 4
+    split_len = _pick_split_len(q.shape[0], k_cache.shape[1], max_kv_len, block_n, sms)
+    return _decode_attention_launch(
+        q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale,
+        split_len, block_n, num_warps, num_stages,
+    )
 
 
 def decode_attention_ref(
@@ -45,4 +255,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """q: [B, Hq, D]; k_cache, v_cache: [num_slots, Hk, D]; req_to_token: [rows, max_len] int32;
     req_rows, kv_lens: [B] int32; max_kv_len: an upper bound of kv_lens -> o: [B, Hq, D]."""
+    if q.is_cuda:
+        return decode_attention_triton(
+            q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale
+        )
     return decode_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale)

@@ -9,9 +9,159 @@ of a long prompt are just sequences whose kv_lens exceed their q_lens. GQA: quer
 head h // (Hq / Hk).
 
     o = softmax(q k^T * scale + causal_mask) v
+
+The Triton kernel is flash attention with an online softmax in base 2: one program owns BLOCK_M
+query rows of one head of one sequence and walks the keys in blocks of BLOCK_N, keeping per row
+    m = running max of s,  l = sum 2^(s - m),  acc = sum 2^(s - m) v,   s = q.k * scale * log2(e)
+and rescaling l and acc by 2^(m_old - m_new) when the max grows; o = acc / l. Products are fp32.
 """
+import math
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr,  # [T, Hq, D] packed queries (may be a slice of the fused qkv output)
+    q_stride_t,  # elements between two tokens of q
+    q_stride_h,  # elements between two heads of q
+    k_cache_ptr,  # [num_slots, Hk, D]
+    v_cache_ptr,  # [num_slots, Hk, D]
+    cache_stride_s,  # elements between two slots of either cache
+    cache_stride_h,  # elements between two heads of either cache
+    out_ptr,  # [T, Hq, D]
+    out_stride_t,  # elements between two tokens of out
+    out_stride_h,  # elements between two heads of out
+    req_to_token_ptr,  # [rows, max_len] int32 slot of each (request row, position)
+    req_to_token_stride,  # elements between two rows of req_to_token
+    req_rows_ptr,  # [B] int32 row of each sequence in req_to_token
+    q_start_ptr,  # [B] int32 first packed query row of each sequence
+    q_lens_ptr,  # [B] int32 new tokens of each sequence
+    kv_lens_ptr,  # [B] int32 tokens each sequence attends to (cached + new)
+    qk_scale,  # softmax scale * log2(e)
+    head_dim,  # D
+    GROUP: tl.constexpr,  # Hq / Hk
+    BLOCK_M: tl.constexpr,  # query rows per program
+    BLOCK_N: tl.constexpr,  # keys per step
+    BLOCK_D: tl.constexpr,  # next power of 2 >= D (and >= 16)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
+):
+    block_m = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    seq = tl.program_id(2).to(tl.int64)
+    q_len = tl.load(q_lens_ptr + seq)
+    if block_m * BLOCK_M >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + seq)
+    prefix = kv_len - q_len  # cached tokens before the first new one
+    q_first = tl.load(q_start_ptr + seq).to(tl.int64)
+    token_row = req_to_token_ptr + tl.load(req_rows_ptr + seq).to(tl.int64) * req_to_token_stride
+    kv_head = head // GROUP
+
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = rows < q_len
+    dim_mask = dims < head_dim
+    q = tl.load(
+        q_ptr + (q_first + rows)[:, None] * q_stride_t + head * q_stride_h + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Key 0 is visible to every row, so m_i is finite after the first block: no NaN from -inf - -inf.
+    q_pos = prefix + rows  # absolute position of each query row
+    kv_end = tl.minimum(kv_len, prefix + (block_m + 1) * BLOCK_M)  # causal: later keys unseen
+    for start_n in range(0, kv_end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)  # key positions
+        col_mask = cols < kv_end
+        slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)
+        kv_offs = slots[:, None] * cache_stride_s + kv_head * cache_stride_h + dims[None, :]
+        kv_mask = col_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = (q_pos[:, None] >= cols[None, :]) & col_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + (q_first + rows)[:, None] * out_stride_t + head * out_stride_h + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
+
+
+def _pick_config(head_dim: int, max_q_len: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for H100; see benchmarks/KERNELS.md."""
+    if max_q_len <= 64:
+        return 64, 64, 4, 2
+    if head_dim <= 64:
+        return 128, 64, 4, 2
+    return 128, 64, 8, 2
+
+
+def _prefill_attention_launch(
+    q, k_cache, v_cache, req_to_token, req_rows, q_start, q_lens, kv_lens, max_q_len, scale,
+    block_m, block_n, num_warps, num_stages,
+):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_seqs = req_rows.shape[0]
+    num_kv_heads = k_cache.shape[1]
+    assert num_q_heads % num_kv_heads == 0 and k_cache.shape[2] == head_dim
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
+    assert req_to_token.stride(1) == 1
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0 or max_q_len == 0:
+        return out
+    grid = (triton.cdiv(max_q_len, block_m), num_q_heads, num_seqs)
+    _prefill_attention_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+        out, out.stride(0), out.stride(1),
+        req_to_token, req_to_token.stride(0),
+        req_rows, q_start, q_lens, kv_lens,
+        scale * math.log2(math.e),
+        head_dim,
+        GROUP=num_q_heads // num_kv_heads,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    q_start: torch.Tensor,
+    q_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    max_q_len: int,
+    scale: float,
+) -> torch.Tensor:
+    config = _pick_config(q.shape[2], max_q_len)
+    return _prefill_attention_launch(
+        q, k_cache, v_cache, req_to_token, req_rows, q_start, q_lens, kv_lens, max_q_len, scale,
+        *config,
+    )
 
 
 def prefill_attention_ref(
@@ -57,6 +207,10 @@ def prefill_attention(
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k_cache, v_cache: [num_slots, Hk, D]; req_to_token: [rows, max_len] int32;
     req_rows, q_start, q_lens, kv_lens: [B] int32; max_q_len: max(q_lens) -> o: [T, Hq, D]."""
+    if q.is_cuda:
+        return prefill_attention_triton(
+            q, k_cache, v_cache, req_to_token, req_rows, q_start, q_lens, kv_lens, max_q_len, scale
+        )
     return prefill_attention_ref(
         q, k_cache, v_cache, req_to_token, req_rows, q_start, q_lens, kv_lens, max_q_len, scale
     )

@@ -2,8 +2,84 @@
 
     y = x / sqrt(mean(x^2) + eps) * weight          (statistics in fp32, as HF Llama computes them)
     add_rmsnorm: r' = x + r (in x's dtype);  y = rmsnorm(r')
+
+The normalised row is rounded to x's dtype before the weight multiplies it (HF Llama does the same),
+so y has the dtype of (weight * x).
 """
 import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _rmsnorm_kernel(
+    x_ptr,  # [T, H] input
+    x_stride_t,  # elements between two rows of x
+    residual_ptr,  # [T, H] residual (read only when HAS_RESIDUAL)
+    residual_stride_t,  # elements between two rows of residual
+    weight_ptr,  # [H] contiguous
+    out_ptr,  # [T, H] normalised output
+    out_stride_t,  # elements between two rows of out
+    new_residual_ptr,  # [T, H] x + residual, written only when HAS_RESIDUAL
+    new_residual_stride_t,  # elements between two rows of new_residual
+    hidden,  # H
+    eps,  # float
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # next power of 2 >= H: one program holds a whole row
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * x_stride_t + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * residual_stride_t + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # one rounding, as torch's x + r
+        tl.store(new_residual_ptr + row * new_residual_stride_t + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    # Round the normalised row to x's dtype as the reference does; the product of two 16-bit
+    # floats is exact in fp32, so one more rounding gives the 16-bit product.
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * out_stride_t + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x, residual, weight, eps):
+    assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, H] with contiguous rows"
+    assert weight.is_contiguous() and weight.shape == (x.shape[1],)
+    num_tokens, hidden = x.shape
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if residual is None:
+        residual = new_residual = x  # placeholders, never touched
+    else:
+        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
+        new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return out, new_residual
+    block_h = triton.next_power_of_2(hidden)
+    num_warps = min(max(block_h // 512, 1), 16)
+    _rmsnorm_kernel[(num_tokens,)](
+        x, x.stride(0),
+        residual, residual.stride(0),
+        weight,
+        out, out.stride(0),
+        new_residual, new_residual.stride(0),
+        hidden, eps,
+        HAS_RESIDUAL=residual is not x,
+        BLOCK_H=block_h,
+        num_warps=num_warps,
+    )
+    return out, new_residual
+
+
+def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rmsnorm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(x, residual, weight, eps)
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,6 +97,8 @@ def add_rmsnorm_ref(
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, H] -> [T, H]."""
+    if x.is_cuda:
+        return rmsnorm_triton(x, weight, eps)
     return rmsnorm_ref(x, weight, eps)
 
 
@@ -28,4 +106,6 @@ def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [T, H] -> (rmsnorm(x + residual), x + residual)."""
+    if x.is_cuda:
+        return add_rmsnorm_triton(x, residual, weight, eps)
     return add_rmsnorm_ref(x, residual, weight, eps)

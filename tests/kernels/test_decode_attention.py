@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from attention_batch import make_batch
+from batchgen.kernels.decode_attention import (
+    _decode_attention_launch,
+    decode_attention_ref,
+    decode_attention_triton,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (Hq, Hk, D): GQA, MHA, a group of 7, head_dim not a power of 2; on the GPU also groups of 8, 32.
+HEADS = [(4, 2, 32), (7, 1, 24), (2, 2, 16)] + [
+    pytest.param(*h, marks=pytest.mark.gpu)
+    for h in [(32, 8, 64), (32, 8, 128), (14, 2, 80), (64, 8, 128), (32, 1, 64)]
+]
+CPU_KV_LENS = [1, 7, 13, 64, 97]
+
+
+def _gpu_kv_lens():
+    gen = torch.Generator().manual_seed(0)
+    return [1, 4097, 2] + torch.randint(1, 2000, (61,), generator=gen).tolist()
+
+
+def _args(batch, max_kv_len, scale):
+    return (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_rows,
+            batch.kv_lens, max_kv_len, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", HEADS)
+def test_decode_attention(device, assert_close, dtype, q_heads, kv_heads, head_dim):
+    kv_lens = CPU_KV_LENS if device == "cpu" else _gpu_kv_lens()
+    batch = make_batch([(1, n) for n in kv_lens], q_heads, kv_heads, head_dim, dtype, device)
+    args = _args(batch, max(kv_lens) + 3, head_dim**-0.5)
+    assert_close(decode_attention_triton(*args), decode_attention_ref(*args))
+
+
+@pytest.mark.parametrize("split_len,block_n,num_warps", [(16, 16, 1), (32, 16, 2), (64, 64, 4), (128, 32, 4)])
+def test_decode_attention_splits(device, assert_close, split_len, block_n, num_warps):
+    batch = make_batch([(1, n) for n in CPU_KV_LENS], 8, 2, 32, torch.float32, device, seed=5)
+    args = _args(batch, 97, 0.2)
+    out = _decode_attention_launch(*args, split_len, block_n, num_warps, 2)
+    assert_close(out, decode_attention_ref(*args))
+
+
+def test_decode_attention_empty_context_gives_zeros(device, assert_close):
+    batch = make_batch([(1, 5), (1, 1), (1, 9)], 4, 2, 16, torch.float32, device, seed=6)
+    batch.kv_lens[1] = 0
+    args = _args(batch, 9, 0.25)
+    out = decode_attention_triton(*args)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    ref = decode_attention_ref(*args)
+    assert_close(out[[0, 2]], ref[[0, 2]])
+
+
+@pytest.mark.gpu
+def test_decode_attention_in_cuda_graph(device, assert_close):
+    """No host synchronisation: the launch captures, and replays follow new lengths and slots."""
+    batch = make_batch([(1, n) for n in [300, 1, 77, 1024]], 32, 8, 128, torch.bfloat16, device)
+    max_kv_len = 2048
+    args = _args(batch, max_kv_len, 128**-0.5)
+    decode_attention_triton(*args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention_triton(*args)
+    for step in range(3):
+        batch.kv_lens.sub_(step)  # shorter contexts; a length of 0 is never reached here
+        batch.kv_lens.clamp_(min=1)
+        batch.q.normal_()
+        graph.replay()
+        assert_close(out, decode_attention_ref(*args))

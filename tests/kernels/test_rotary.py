@@ -1,0 +1,49 @@
+import pytest
+import torch
+
+from batchgen.kernels.rotary import apply_rotary_triton, apply_rotary_ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (tokens, q heads, kv heads, head_dim): head_dim/2 not a power of 2 for 20 and 80.
+SHAPES = [(1, 1, 1, 8), (7, 4, 2, 20), (13, 6, 3, 64)] + [
+    pytest.param(*s, marks=pytest.mark.gpu)
+    for s in [(257, 32, 8, 64), (1031, 32, 8, 128), (5, 14, 2, 80), (3, 40, 8, 128)]
+]
+
+
+def _cos_sin_cache(max_pos, head_dim, device):
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)  # [P, D]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", SHAPES)
+def test_rotary_on_fused_qkv_views(device, assert_close, dtype, tokens, q_heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+    q = qkv[:, : q_heads * head_dim].view(tokens, q_heads, head_dim)
+    k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    cache = _cos_sin_cache(5000, head_dim, device)
+    positions = torch.randint(0, 5000, (tokens,), device=device)
+    positions[0] = 0
+    ref_q, ref_k = q.clone(), k.clone()
+    apply_rotary_ref(ref_q, ref_k, positions, cache)
+    v_before = qkv[:, (q_heads + kv_heads) * head_dim :].clone()
+    apply_rotary_triton(q, k, positions, cache)
+    assert_close(q, ref_q)
+    assert_close(k, ref_k)
+    assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim :], v_before)  # v untouched
+
+
+def test_rotary_contiguous_int32_positions(device, assert_close):
+    torch.manual_seed(1)
+    q = torch.randn(5, 3, 16, device=device)
+    k = torch.randn(5, 1, 16, device=device)
+    cache = _cos_sin_cache(64, 16, device)
+    positions = torch.tensor([3, 3, 0, 63, 17], dtype=torch.int32, device=device)
+    ref_q, ref_k = q.clone(), k.clone()
+    apply_rotary_ref(ref_q, ref_k, positions.long(), cache)
+    apply_rotary_triton(q, k, positions, cache)
+    assert_close(q, ref_q)
+    assert_close(k, ref_k)
