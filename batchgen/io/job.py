@@ -1,0 +1,197 @@
+"""A file job: input file -> checks -> engine -> part files -> OUTPUT, resumable and interruptible.
+
+The engine pulls requests lazily from `_requests()`, so the input streams through in bounded memory:
+rows are read, checked and handed over only as the engine has room. Rows that fail the checks, rows
+of other shards and rows that an earlier run finished never reach the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import pyarrow.parquet as pq
+
+from batchgen.io.resume import JobError, WorkDir, output_fingerprint
+from batchgen.io.rows import RESERVED, ROW_KEY, RowChecker
+from batchgen.io.shard import Shard
+from batchgen.io.sinks import Layout, PartWriter, Totals, merge_parts
+from batchgen.io.sources import open_source
+
+
+class Progress(Protocol):
+    def start(self, total: int, resumed: int) -> None: ...
+    def advance(self, row: dict) -> None: ...
+    def stop(self) -> None: ...
+
+
+class NoProgress:
+    def start(self, total: int, resumed: int) -> None:
+        pass
+
+    def advance(self, row: dict) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+@dataclass
+class JobSpec:
+    input: Path
+    output: Path
+    settings: dict  # what shapes the output (model, dtype, sampling defaults, seed, ...): resume's fingerprint
+    shard: Shard = field(default_factory=Shard)
+    resume: bool = True
+    flush_rows: int = 1000
+    flush_seconds: float = 5.0
+
+
+@dataclass
+class JobResult:
+    status: str  # "complete" | "already_complete" | "interrupted"
+    rows_total: int = 0  # rows of this shard
+    rows_resumed: int = 0  # of them, finished by an earlier run
+    rows_this_run: int = 0
+    totals: Totals | None = None  # over the final file; None unless complete
+    metadata: dict[str, Any] = field(default_factory=dict)  # the final file's `batchgen` metadata
+
+
+def fingerprint_of(spec: JobSpec) -> dict:
+    stat = spec.input.stat()
+    return {
+        **spec.settings,
+        "shard": str(spec.shard),
+        "input": {"name": spec.input.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns},
+    }
+
+
+def run_job(
+    spec: JobSpec,
+    make_llm: Callable[[], Any],
+    sampling: Any,
+    stop_event: threading.Event,
+    progress: Progress | None = None,
+    on_generation: Callable[[bool], None] = lambda active: None,
+) -> JobResult:
+    """Runs the job; JobError (and sources.InputError) for a job that cannot start.
+
+    `on_generation(True)` is called when the engine starts pulling rows and `on_generation(False)`
+    when it stops: the CLI's signal handler sets `stop_event` in between and interrupts otherwise.
+    """
+    started = time.monotonic()
+    progress = progress or NoProgress()
+    source = open_source(spec.input)
+    layout = Layout(source.schema)
+    clash = [n for n in layout.carried if n in RESERVED]
+    if clash:
+        raise JobError(f"input column {', '.join(clash)} has the name of an output column; rename it")
+    output = spec.output
+    if output.is_dir():
+        raise JobError(f"OUTPUT {str(output)!r} is a directory; give a file name such as out.parquet")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fingerprint = fingerprint_of(spec)
+    workdir = WorkDir(output)
+    if spec.resume and not workdir.path.exists() and output_fingerprint(output) == fingerprint:
+        return JobResult("already_complete", metadata=_stored_metadata(output))
+
+    workdir.open(fingerprint, spec.resume)
+    try:
+        if spec.resume and output_fingerprint(output) == fingerprint:
+            # A run was stopped between renaming OUTPUT into place and removing its work directory.
+            workdir.remove()
+            return JobResult("already_complete", metadata=_stored_metadata(output))
+        done = workdir.done_rows()
+        rows_total = source.count_rows_where(lambda i: i in spec.shard)
+        rows_resumed = int(done.sum())
+        progress.start(rows_total, rows_resumed)
+
+        llm = make_llm()
+        sink = PartWriter(workdir.path, layout, spec.flush_rows, spec.flush_seconds)
+        checker = RowChecker()
+
+        def finished(row: dict) -> None:
+            sink.add(row)
+            progress.advance(row)
+
+        def requests():
+            for row in source:
+                request, error = checker.check(row)
+                if row.index not in spec.shard or (row.index < len(done) and done[row.index]):
+                    continue
+                if error is not None:
+                    finished(error)
+                else:
+                    yield request
+
+        on_generation(True)
+        try:
+            for result in llm.generate(requests(), sampling=sampling, stop_event=stop_event):
+                finished(_output_row(result))
+        finally:
+            on_generation(False)
+            sink.flush()  # whatever happened, finished rows are kept
+            progress.stop()
+        rows_this_run = sink.rows_written
+        if stop_event.is_set():
+            return JobResult("interrupted", rows_total, rows_resumed, rows_this_run)
+
+        stats = dict(getattr(llm, "stats", None) or {})
+        generation_seconds = stats.get("generation_seconds")
+        generated_tokens = stats.get("output_tokens")
+
+        def metadata(totals: Totals) -> dict:
+            if totals.rows != rows_total:
+                raise JobError(
+                    f"{rows_total - totals.rows} rows of the input have no result (an engine bug?); "
+                    f"rerun the same command to generate them"
+                )
+            meta = dict(llm.describe())
+            meta.update(
+                fingerprint=fingerprint,
+                input=str(spec.input),
+                shard=str(spec.shard),
+                rows=totals.rows,
+                rows_ok=totals.rows_ok,
+                rows_error=totals.rows_error,
+                rows_resumed=rows_resumed,
+                prompt_tokens=totals.prompt_tokens,
+                output_tokens=totals.output_tokens,
+                wall_seconds=round(time.monotonic() - started, 3),
+                generation_seconds=generation_seconds,
+                generated_output_tokens=generated_tokens,
+                output_tokens_per_s=(
+                    round(generated_tokens / generation_seconds, 2)
+                    if generation_seconds and generated_tokens is not None
+                    else None
+                ),
+                e2e_s=totals.percentiles("e2e_s"),
+                ttft_s=totals.percentiles("ttft_s"),
+            )
+            result.metadata = meta
+            return meta
+
+        result = JobResult("complete", rows_total, rows_resumed, rows_this_run)
+        result.totals = merge_parts(workdir.path, output, layout, metadata, should_stop=stop_event.is_set)
+        workdir.remove()
+        return result
+    finally:
+        workdir.close()
+
+
+def _output_row(result: dict) -> dict:
+    row = dict(result)
+    assert ROW_KEY in row, "the engine dropped a carried-through key"
+    if row.get("output_token_ids") is None:
+        row["output_token_ids"] = []
+    else:
+        row["output_token_ids"] = [int(t) for t in row["output_token_ids"]]
+    return row
+
+
+def _stored_metadata(output: Path) -> dict:
+    return json.loads((pq.read_schema(output).metadata or {})[b"batchgen"])

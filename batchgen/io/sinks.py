@@ -1,0 +1,377 @@
+"""The Parquet sink: results become small self-contained part files as they finish, and the finished
+job's parts are streamed into one Parquet file that is renamed into place.
+
+A Parquet file is readable only once its footer is written, so a job killed while writing one big
+file would lose everything. Instead finished results are buffered and every `flush_rows` rows or
+`flush_seconds` seconds written as `part-NNNNNN.parquet` in the work directory (temp name, fsync,
+rename), so a crash loses at most the last few seconds of results and `resume` knows exactly which
+rows are done.
+
+Column types. For a Parquet input the carried-through columns keep the input schema's types and the
+`id` column keeps its type (integer ids as int64). For JSONL they are inferred from the values: a
+column whose values are all booleans, all integers, all numbers or all strings gets that type; any
+other column (lists, objects, or values of mixed types) is stored as JSON text. `id` is int64 when
+every id is an integer, else string. Each part records the kind it inferred in its field metadata,
+and merging widens kinds across parts the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchgen.io.rows import INPUT_FIELDS, OUTPUT_FIELDS, ROW_KEY
+
+OUTPUT_TYPES: dict[str, pa.DataType] = {
+    "text": pa.string(),
+    "output_token_ids": pa.list_(pa.int32()),
+    "finish_reason": pa.string(),
+    "error": pa.string(),
+    "prompt_tokens": pa.int64(),
+    "completion_tokens": pa.int64(),
+    "cached_prompt_tokens": pa.int64(),
+    "num_preemptions": pa.int64(),
+    "queue_s": pa.float64(),
+    "ttft_s": pa.float64(),
+    "prefill_s": pa.float64(),
+    "decode_s": pa.float64(),
+    "e2e_s": pa.float64(),
+    "decode_tokens_per_s": pa.float64(),
+}
+assert tuple(OUTPUT_TYPES) == OUTPUT_FIELDS
+
+KIND_KEY = b"batchgen_kind"
+KIND_TYPES = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "str": pa.string(), "json": pa.string()}
+FINAL_ROW_GROUP_ROWS = 65_536
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+# --- column layout ------------------------------------------------------------------------------
+
+
+def _value_kind(value) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int" if INT64_MIN <= value <= INT64_MAX else "json"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    return "json"
+
+
+def _widen(a: str | None, b: str | None) -> str | None:
+    if a is None or a == b:
+        return b
+    if b is None:
+        return a
+    if {a, b} == {"int", "float"}:
+        return "float"
+    return "json"
+
+
+def _widen_id(a: str | None, b: str | None) -> str | None:
+    if a is None or a == b:
+        return b
+    return a if b is None else "str"
+
+
+def _encode(values: list, kind: str) -> list:
+    if kind == "json":
+        return [None if v is None else json.dumps(v, ensure_ascii=False, default=str) for v in values]
+    if kind == "float":
+        return [None if v is None else float(v) for v in values]
+    return values
+
+
+def _kind_field(name: str, kind: str) -> pa.Field:
+    return pa.field(name, KIND_TYPES[kind], metadata={KIND_KEY: kind.encode()})
+
+
+def _field_kind(f: pa.Field) -> str | None:
+    return (f.metadata or {}).get(KIND_KEY, b"").decode() or None
+
+
+class Layout:
+    """How result dicts become Arrow tables: `input_schema` given (Parquet input) means fixed types;
+    None (JSONL input) means types inferred per part and widened at merge."""
+
+    def __init__(self, input_schema: pa.Schema | None) -> None:
+        self.input_schema = input_schema
+        self.fixed_schema: pa.Schema | None = None
+        self.carried: list[str] = []  # for a Parquet input: its columns that go through to the output
+        if input_schema is not None:
+            id_type = pa.int64()
+            if "id" in input_schema.names:
+                t = input_schema.field("id").type
+                if pa.types.is_string(t) or pa.types.is_large_string(t):
+                    id_type = t
+            carried = [f for f in input_schema if f.name not in INPUT_FIELDS]
+            self.carried = [f.name for f in carried]
+            self.fixed_schema = pa.schema(
+                [pa.field("id", id_type), *carried, *(pa.field(n, t) for n, t in OUTPUT_TYPES.items())]
+            )
+
+    def part_table(self, rows: list[dict]) -> pa.Table:
+        if self.fixed_schema is not None:
+            return self._fixed_table(rows)
+        return self._inferred_table(rows)
+
+    def _fixed_table(self, rows: list[dict]) -> pa.Table:
+        schema = self.fixed_schema.append(pa.field(ROW_KEY, pa.int64()))
+        id_is_text = not pa.types.is_integer(schema.field("id").type)
+        columns = {}
+        for f in schema:
+            values = [r.get(f.name) for r in rows]
+            if f.name == "id" and id_is_text:
+                values = [None if v is None else str(v) for v in values]
+            columns[f.name] = pa.array(values, type=f.type)
+        return pa.Table.from_pydict(columns, schema=schema)
+
+    def _inferred_table(self, rows: list[dict]) -> pa.Table:
+        names: dict[str, None] = {}  # carried-through names, in order of first appearance
+        for r in rows:
+            for k in r:
+                if k != "id" and k not in OUTPUT_TYPES and k != ROW_KEY and k not in INPUT_FIELDS:
+                    names.setdefault(k)
+        fields, arrays = [], []
+        id_values = [r.get("id") for r in rows]
+        id_kind = "int" if all(isinstance(v, int) and not isinstance(v, bool) for v in id_values) else "str"
+        if id_kind == "str":
+            id_values = [None if v is None else str(v) for v in id_values]
+        fields.append(_kind_field("id", id_kind))
+        arrays.append(pa.array(id_values, type=KIND_TYPES[id_kind]))
+        for name in names:
+            values = [r.get(name) for r in rows]
+            kind = None
+            for v in values:
+                kind = _widen(kind, _value_kind(v))
+            kind = kind or "str"  # all null
+            fields.append(_kind_field(name, kind))
+            arrays.append(pa.array(_encode(values, kind), type=KIND_TYPES[kind]))
+        for name, t in OUTPUT_TYPES.items():
+            fields.append(pa.field(name, t))
+            arrays.append(pa.array([r.get(name) for r in rows], type=t))
+        fields.append(pa.field(ROW_KEY, pa.int64()))
+        arrays.append(pa.array([r[ROW_KEY] for r in rows], type=pa.int64()))
+        return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+    def final_schema(self, part_schemas: list[pa.Schema]) -> pa.Schema:
+        """The output file's schema: id, carried-through columns, output columns; no ROW_KEY."""
+        if self.fixed_schema is not None:
+            return self.fixed_schema
+        order: dict[str, None] = {}
+        kinds: dict[str, str | None] = {}
+        for schema in part_schemas:
+            for f in schema:
+                if f.name in OUTPUT_TYPES or f.name == ROW_KEY:
+                    continue
+                order.setdefault(f.name)
+                widen = _widen_id if f.name == "id" else _widen
+                kinds[f.name] = widen(kinds.get(f.name), _field_kind(f))
+        fields = [pa.field("id", KIND_TYPES[kinds.get("id") or "int"], metadata={KIND_KEY: (kinds.get("id") or "int").encode()})]
+        fields += [_kind_field(n, kinds[n] or "str") for n in order if n != "id"]
+        fields += [pa.field(n, t) for n, t in OUTPUT_TYPES.items()]
+        return pa.schema(fields)
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` (one part) with exactly the columns and types of `schema` (which carries kinds)."""
+    arrays = []
+    for f in schema:
+        if f.name not in table.column_names:
+            arrays.append(pa.nulls(table.num_rows, f.type))
+            continue
+        column = table.column(f.name)
+        have, want = _field_kind(table.schema.field(f.name)), _field_kind(f)
+        if column.type == f.type and have == want:
+            arrays.append(column)
+        elif want == "json":
+            arrays.append(pa.array(_encode(column.to_pylist(), "json"), type=f.type))
+        else:  # int -> float, or an integer id -> string id
+            arrays.append(pc.cast(column, f.type))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def plain_schema(schema: pa.Schema) -> pa.Schema:
+    """`schema` without our per-field bookkeeping metadata."""
+    return pa.schema([f.remove_metadata() for f in schema], metadata=schema.metadata)
+
+
+# --- part files ---------------------------------------------------------------------------------
+
+
+def part_number(path: Path) -> int:
+    return int(path.name[len("part-") : -len(".parquet")])
+
+
+def list_parts(workdir: Path) -> list[Path]:
+    parts = [p for p in workdir.glob("part-*.parquet") if p.name[5:-8].isdigit()]
+    return sorted(parts, key=part_number)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, write) -> None:
+    """Calls write(file) on `path`.tmp, fsyncs it, renames it to `path` and fsyncs the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class PartWriter:
+    """Buffers finished results and writes them out as part files.
+
+    `add` may be called from the engine's request-pulling code as well as from the result loop, so
+    the buffer is guarded by a lock.
+    """
+
+    def __init__(self, workdir: Path, layout: Layout, flush_rows: int = 1000, flush_seconds: float = 5.0) -> None:
+        self.workdir = workdir
+        self.layout = layout
+        self.flush_rows = max(1, flush_rows)
+        self.flush_seconds = flush_seconds
+        existing = list_parts(workdir)
+        self._next_part = part_number(existing[-1]) + 1 if existing else 1
+        self._buffer: list[dict] = []
+        self._lock = threading.Lock()
+        self._last_flush = time.monotonic()
+        self.rows_written = 0
+
+    def add(self, row: dict) -> None:
+        with self._lock:
+            self._buffer.append(row)
+            if len(self._buffer) >= self.flush_rows or time.monotonic() - self._last_flush >= self.flush_seconds:
+                self._flush_locked()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        self._last_flush = time.monotonic()
+        if not self._buffer:
+            return
+        table = self.layout.part_table(self._buffer)
+        path = self.workdir / f"part-{self._next_part:06d}.parquet"
+        write_atomically(path, lambda f: pq.write_table(table, f))
+        self._next_part += 1
+        self.rows_written += len(self._buffer)
+        self._buffer.clear()
+
+
+# --- the final file -----------------------------------------------------------------------------
+
+
+TOTALS_COLUMNS = ("finish_reason", "prompt_tokens", "completion_tokens", "e2e_s", "ttft_s")
+
+
+@dataclass
+class Totals:
+    """Job totals over every row of the final file (this run's and resumed ones)."""
+
+    rows: int = 0
+    rows_ok: int = 0
+    rows_error: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    e2e_s: list = field(default_factory=list)  # numpy chunks, ok rows only
+    ttft_s: list = field(default_factory=list)
+
+    def add(self, table: pa.Table) -> None:
+        errors = pc.equal(table.column("finish_reason"), "error").fill_null(False)
+        n_error = pc.sum(errors).as_py() or 0
+        self.rows += table.num_rows
+        self.rows_error += n_error
+        self.rows_ok += table.num_rows - n_error
+        self.prompt_tokens += pc.sum(table.column("prompt_tokens")).as_py() or 0
+        self.output_tokens += pc.sum(table.column("completion_tokens")).as_py() or 0
+        ok = table.filter(pc.invert(errors))
+        for name, chunks in (("e2e_s", self.e2e_s), ("ttft_s", self.ttft_s)):
+            values = ok.column(name).drop_null().to_numpy()
+            if len(values):
+                chunks.append(values)
+
+    def percentiles(self, name: str) -> dict[str, float | None]:
+        chunks = getattr(self, name)
+        if not chunks:
+            return {"p50": None, "p95": None}
+        values = np.concatenate(chunks)
+        p50, p95 = np.percentile(values, [50, 95])
+        return {"p50": float(p50), "p95": float(p95)}
+
+
+def read_row_indices(part: Path) -> np.ndarray:
+    return pq.read_table(part, columns=[ROW_KEY]).column(ROW_KEY).to_numpy()
+
+
+def merge_parts(workdir: Path, output: Path, layout: Layout, metadata, should_stop=lambda: False) -> Totals:
+    """Streams every part into `output`, each input row at most once, then renames it into place.
+
+    Two passes over the parts: the first reads only the columns that the totals need and decides
+    which rows to keep, so that `metadata(totals)` (the `batchgen` key) can go into the schema
+    before the second pass copies the rows in row groups of up to FINAL_ROW_GROUP_ROWS rows."""
+    parts = list_parts(workdir)
+    schema = layout.final_schema([pq.read_schema(p) for p in parts])
+    totals = Totals()
+    written = np.zeros(0, dtype=bool)
+    keep_masks: list[np.ndarray | None] = []
+    for part in parts:
+        if should_stop():
+            raise KeyboardInterrupt
+        table = pq.read_table(part, columns=[ROW_KEY, *TOTALS_COLUMNS])
+        indices = table.column(ROW_KEY).to_numpy()
+        if len(indices) and indices.max() >= len(written):
+            written = np.concatenate([written, np.zeros(indices.max() + 1 - len(written) + 1024, dtype=bool)])
+        first = np.zeros(len(indices), dtype=bool)
+        first[np.unique(indices, return_index=True)[1]] = True
+        keep = first & ~written[indices]
+        written[indices[keep]] = True
+        keep_masks.append(None if keep.all() else keep)
+        totals.add(table if keep.all() else table.filter(pa.array(keep)))
+
+    final = plain_schema(schema).with_metadata({"batchgen": json.dumps(metadata(totals))})
+    tmp = workdir / "final.parquet.tmp"
+    with pq.ParquetWriter(tmp, final) as writer:
+        pending: list[pa.Table] = []
+        pending_rows = 0
+        for part, keep in zip(parts, keep_masks):
+            if should_stop():
+                raise KeyboardInterrupt
+            table = pq.read_table(part)
+            if keep is not None:
+                table = table.filter(pa.array(keep))
+            pending.append(conform(table, schema).cast(final))
+            pending_rows += pending[-1].num_rows
+            if pending_rows >= FINAL_ROW_GROUP_ROWS:
+                writer.write_table(pa.concat_tables(pending))
+                pending, pending_rows = [], 0
+        if pending:
+            writer.write_table(pa.concat_tables(pending))
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, output)
+    _fsync_dir(output.parent)
+    return totals
