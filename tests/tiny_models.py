@@ -1,0 +1,71 @@
+"""Tiny random-weight checkpoints saved by transformers (fp32), with a tiny BPE tokenizer, for
+comparing batchgen against HF transformers on CPU."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 384
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "batch generation of text with a small language model",
+    "paris is the capital of france and berlin is the capital of germany",
+    "hello world, this is a test of the tokenizer 0123456789",
+] * 20
+
+
+def save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 8, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+
+
+def build(kind: str, path: Path) -> Path:
+    """kind: llama | llama3 (llama3 rope scaling, untied) | qwen2 | qwen3."""
+    import transformers as tf
+
+    torch.manual_seed({"llama": 0, "llama3": 1, "qwen2": 2, "qwen3": 3}[kind])
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None,
+    )
+    if kind == "llama":
+        config = tf.LlamaConfig(**common, tie_word_embeddings=True)
+    elif kind == "llama3":
+        config = tf.LlamaConfig(
+            **common, tie_word_embeddings=False, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        )
+    elif kind == "qwen2":
+        config = tf.Qwen2Config(**common, tie_word_embeddings=False)
+    elif kind == "qwen3":
+        config = tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    else:
+        raise ValueError(kind)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF's init leaves norms at 1 and biases at 0: randomize them so they matter
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "bias")):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("weight") else 0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    return path
+
+
+def load_hf(path: Path):
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
