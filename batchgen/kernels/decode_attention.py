@@ -151,7 +151,7 @@ def _pick_split_len(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: 
     """Fewest splits that give about 2 programs per SM: S = max_kv_len / splits, rounded up to a
     multiple of BLOCK_N."""
     splits = max(1, min(triton.cdiv(2 * sms, num_seqs * num_kv_heads), triton.cdiv(max_kv_len, block_n)))
-    return triton.cdiv(triton.cdiv(max_kv_len, splits), block_n) * block_n
+    return max(triton.cdiv(triton.cdiv(max_kv_len, splits), block_n), 1) * block_n
 
 
 def _decode_attention_launch(

@@ -1,19 +1,26 @@
 """Kernel tests run the Triton launchers on CUDA, or on CPU under the Triton interpreter.
 
-TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before this folder's tests
-import batchgen.kernels; kernel modules that an earlier test folder already imported are reloaded.
+TRITON_INTERPRET is read when triton decorates a function (its own tl.* helpers included, at
+`import triton`), so it must be set before triton is imported. When other test folders imported
+batchgen (hence triton) first, triton and the kernel modules are dropped from sys.modules here and
+imported again by this folder's tests, now interpreted (the C extension cannot be loaded twice and
+stays). The engine's copies keep the compiled kernels, which CPU runs never call.
 """
-import importlib
 import os
 import sys
 
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    for _name in [n for n in sys.modules if n.startswith("batchgen.kernels.")]:
-        importlib.reload(sys.modules[_name])
+if not HAS_CUDA and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+    stale = [
+        n for n in sys.modules
+        if (n.split(".")[0] == "triton" and not n.startswith("triton._C"))  # the C extension stays
+        or n.startswith("batchgen.kernels.")
+    ]
+    for _name in stale:
+        del sys.modules[_name]
 
 import pytest  # noqa: E402
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from attention_batch import make_batch
+from tests.kernels.attention_batch import make_batch
 from batchgen.kernels.decode_attention import (
     _decode_attention_launch,
     decode_attention_ref,

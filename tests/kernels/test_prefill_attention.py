@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from attention_batch import make_batch
+from tests.kernels.attention_batch import make_batch
 from batchgen.kernels.prefill_attention import (
     _prefill_attention_launch,
     prefill_attention_ref,

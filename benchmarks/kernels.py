@@ -1,0 +1,333 @@
+"""Benchmarks of batchgen's Triton kernels against their torch references, on decode and prefill
+shapes of llama-3.2-1b and llama-3.1-8b. Attention is also timed against
+torch.nn.functional.scaled_dot_product_attention on the equivalent padded dense inputs (K/V already
+gathered: SDPA's time excludes the gather through req_to_token).
+
+Times are medians of triton.testing.do_bench (L2 flushed before every run). Bandwidth is the
+fewest bytes the op must move (each input read once, each output written once) over the time,
+and a fraction of the device copy bandwidth measured here (a 2 GiB device-to-device copy, bytes
+read + written). Prefill attention also reports TFLOP/s (4 * D flops per visible (query, key) pair).
+
+    python benchmarks/kernels.py [--sweep] [--budget-s S] [--json FILE]
+
+One JSON line per measurement; a table last. --sweep also times block-size variants of the two
+attention kernels (the tuning behind the defaults; see benchmarks/KERNELS.md).
+"""
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from batchgen.kernels.decode_attention import (
+    _decode_attention_launch,
+    _num_sms,
+    _pick_split_len,
+    decode_attention_ref,
+    decode_attention_triton,
+)
+from batchgen.kernels.prefill_attention import (
+    _prefill_attention_launch,
+    prefill_attention_ref,
+    prefill_attention_triton,
+)
+from batchgen.kernels.rmsnorm import add_rmsnorm_ref, add_rmsnorm_triton, rmsnorm_ref, rmsnorm_triton
+from batchgen.kernels.rotary import apply_rotary_ref, apply_rotary_triton
+from batchgen.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+from batchgen.kernels.store_kv import store_kv_ref, store_kv_triton
+
+MODELS = {
+    "llama-3.2-1b": dict(hidden=2048, inter=8192, q_heads=32, kv_heads=8, head_dim=64),
+    "llama-3.1-8b": dict(hidden=4096, inter=14336, q_heads=32, kv_heads=8, head_dim=128),
+}
+DTYPE = torch.bfloat16
+ELEM = 2  # bytes per bf16 element
+DEVICE = "cuda"
+
+RECORDS = []
+START = time.time()
+
+
+def emit(**record):
+    RECORDS.append(record)
+    print(json.dumps(record), flush=True)
+
+
+def bench_ms(fn) -> float:
+    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device-to-device copy, read + write counted."""
+    src = torch.empty(1 << 30, dtype=torch.int16, device=DEVICE).random_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    nbytes = 2 * src.numel() * src.element_size()
+    emit(kind="copy", nbytes=nbytes, ms=ms, gbps=nbytes / ms / 1e6)
+    del src, dst
+    return nbytes / ms * 1e3
+
+
+def measure(kind, model, shape, nbytes, impls, copy_bw, flops=None, variant=None):
+    """impls: {name: fn}; emits one record per impl."""
+    for impl, fn in impls.items():
+        try:
+            ms = bench_ms(fn)
+        except Exception as e:  # a reference that does not fit, an unsupported SDPA backend
+            emit(kind=kind, model=model, shape=shape, impl=impl, error=repr(e)[:200])
+            continue
+        rec = dict(kind=kind, model=model, shape=shape, impl=impl, ms=round(ms, 5),
+                   gbps=round(nbytes / ms / 1e6, 1), bw_frac=round(nbytes / ms * 1e3 / copy_bw, 3))
+        if flops is not None:
+            rec["tflops"] = round(flops / ms / 1e9, 1)
+        if variant is not None:
+            rec["variant"] = variant
+        emit(**rec)
+
+
+# ---------------------------------------------------------------- elementwise ops
+
+ELEMENTWISE_TOKENS = [(256, "decode"), (8192, "prefill")]  # a decode batch, a prefill step
+
+
+def bench_elementwise(model, cfg, copy_bw):
+    hidden, inter = cfg["hidden"], cfg["inter"]
+    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    for tokens, phase in ELEMENTWISE_TOKENS:
+        shape = f"{phase} T={tokens}"
+        x = torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE)
+        res = torch.randn_like(x)
+        w = torch.rand(hidden, dtype=DTYPE, device=DEVICE)
+        measure("rmsnorm", model, shape, 2 * x.numel() * ELEM, {
+            "triton": lambda: rmsnorm_triton(x, w, 1e-5), "torch": lambda: rmsnorm_ref(x, w, 1e-5)}, copy_bw)
+        measure("add_rmsnorm", model, shape, 4 * x.numel() * ELEM, {
+            "triton": lambda: add_rmsnorm_triton(x, res, w, 1e-5),
+            "torch": lambda: add_rmsnorm_ref(x, res, w, 1e-5)}, copy_bw)
+
+        gu = torch.randn(tokens, 2 * inter, dtype=DTYPE, device=DEVICE)
+        measure("silu_and_mul", model, shape, 3 * tokens * inter * ELEM, {
+            "triton": lambda: silu_and_mul_triton(gu), "torch": lambda: silu_and_mul_ref(gu)}, copy_bw)
+
+        qkv = torch.randn(tokens, (hq + 2 * hk) * d, dtype=DTYPE, device=DEVICE)
+        q = qkv[:, : hq * d].view(tokens, hq, d)
+        k = qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d)
+        v = qkv[:, (hq + hk) * d :].view(tokens, hk, d)
+        angles = torch.outer(torch.arange(8192, device=DEVICE).float(),
+                             torch.rand(d // 2, device=DEVICE))
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+        measure("rotary", model, shape, 2 * tokens * (hq + hk) * d * ELEM + tokens * d * 4, {
+            "triton": lambda: apply_rotary_triton(q, k, positions, cache),
+            "torch": lambda: apply_rotary_ref(q, k, positions, cache)}, copy_bw)
+
+        num_slots = 1 << 17
+        k_cache = torch.empty(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
+        v_cache = torch.empty_like(k_cache)
+        slots = torch.randperm(num_slots, device=DEVICE)[:tokens]
+        measure("store_kv", model, shape, 4 * tokens * hk * d * ELEM, {
+            "triton": lambda: store_kv_triton(k, v, k_cache, v_cache, slots),
+            "torch": lambda: store_kv_ref(k, v, k_cache, v_cache, slots)}, copy_bw)
+
+
+# ---------------------------------------------------------------- attention inputs
+
+
+def token_table(kv_lens):
+    """req_to_token over a pool of exactly sum(kv_lens) slots, randomly permuted (a long-running
+    pool hands out scattered slots)."""
+    num_slots = sum(kv_lens)
+    perm = torch.randperm(num_slots, device=DEVICE).int()
+    table = torch.zeros(len(kv_lens), max(kv_lens), dtype=torch.int32, device=DEVICE)
+    used = 0
+    for i, n in enumerate(kv_lens):
+        table[i, :n] = perm[used : used + n]
+        used += n
+    return num_slots, table
+
+
+def dense_kv(k_cache, v_cache, table, kv_len):
+    """[B, Hk, L, D] copies of the K/V of equal-length sequences, for SDPA."""
+    idx = table[:, :kv_len].long()
+    return k_cache[idx].transpose(1, 2).contiguous(), v_cache[idx].transpose(1, 2).contiguous()
+
+
+# ---------------------------------------------------------------- decode attention
+
+DECODE_SHAPES = [(1, 4096), (32, 2048), (128, 1024), (256, 4096)]  # (batch, context)
+# (split programs per SM, BLOCK_N, num_warps, num_stages); the first is the launcher's default.
+DECODE_VARIANTS = [(2, 64, 4, 2), (1, 64, 4, 2), (4, 64, 4, 2), (8, 64, 4, 2), (2, 32, 4, 2),
+                   (2, 128, 4, 2), (2, 64, 4, 3), (2, 64, 8, 2), (2, 128, 8, 3), (2, 64, 2, 2)]
+
+
+def bench_decode(model, cfg, copy_bw, sweep, budget_s):
+    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    scale = d**-0.5
+    for batch, kv_len in DECODE_SHAPES:
+        shape = f"decode B={batch} L={kv_len}"
+        kv_lens = [kv_len] * batch
+        num_slots, table = token_table(kv_lens)
+        k_cache = torch.randn(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
+        v_cache = torch.randn_like(k_cache)
+        q = torch.randn(batch, hq, d, dtype=DTYPE, device=DEVICE)
+        rows = torch.arange(batch, dtype=torch.int32, device=DEVICE)
+        lens = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+        args = (q, k_cache, v_cache, table, rows, lens, kv_len, scale)
+        nbytes = (2 * batch * kv_len * hk * d + 2 * batch * hq * d) * ELEM + batch * kv_len * 4
+        torch.testing.assert_close(decode_attention_triton(*args), decode_attention_ref(*args),
+                                   atol=1.6e-2, rtol=1.6e-2)
+        impls = {"triton": lambda: decode_attention_triton(*args)}
+        if batch * kv_len <= 128 * 1024:  # the reference materialises fp32 copies of K and V
+            impls["torch"] = lambda: decode_attention_ref(*args)
+        k_dense, v_dense = dense_kv(k_cache, v_cache, table, kv_len)
+        q4 = q[:, :, None, :]  # [B, Hq, 1, D]
+        impls["sdpa"] = lambda: F.scaled_dot_product_attention(q4, k_dense, v_dense, scale=scale,
+                                                               enable_gqa=True)
+        measure("decode_attention", model, shape, nbytes, impls, copy_bw)
+        if sweep:
+            for per_sm, block_n, warps, stages in DECODE_VARIANTS:
+                if time.time() - START > budget_s:
+                    break
+                split_len = _pick_split_len(batch, hk, kv_len, block_n, _num_sms(q.device) * per_sm // 2)
+                measure("decode_attention", model, shape, nbytes, {
+                    "triton": lambda: _decode_attention_launch(*args, split_len, block_n, warps, stages)},
+                    copy_bw, variant=f"per_sm={per_sm} S={split_len} N={block_n} w={warps} s={stages}")
+        del k_cache, v_cache, k_dense, v_dense
+
+
+# ---------------------------------------------------------------- prefill attention
+
+
+def prefill_shapes():
+    rng = random.Random(0)
+    mixed = []
+    for _ in range(48):  # splitfuse-like: short chunks, some on long cached prefixes
+        q_len = rng.randint(1, 256)
+        mixed.append((q_len, q_len + rng.choice([0, rng.randint(1, 3000)])))
+    return [
+        ("prompt 1x4096", [(4096, 4096)]),
+        ("prompts 8x512", [(512, 512)] * 8),
+        ("extend 4x512 on 1536 cached", [(512, 2048)] * 4),
+        ("mixed 48 chunks", mixed),
+    ]
+
+
+PREFILL_VARIANTS = [(64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
+                    (128, 128, 8, 2), (64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)]
+
+
+def bench_prefill(model, cfg, copy_bw, sweep, budget_s):
+    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    scale = d**-0.5
+    for shape, seqs in prefill_shapes():
+        q_lens = [q for q, _ in seqs]
+        kv_lens = [kv for _, kv in seqs]
+        num_slots, table = token_table(kv_lens)
+        k_cache = torch.randn(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
+        v_cache = torch.randn_like(k_cache)
+        total = sum(q_lens)
+        q = torch.randn(total, hq, d, dtype=DTYPE, device=DEVICE)
+        i32 = dict(dtype=torch.int32, device=DEVICE)
+        rows = torch.arange(len(seqs), **i32)
+        q_start = torch.tensor([0] + q_lens[:-1], **i32).cumsum(0).int()
+        args = (q, k_cache, v_cache, table, rows, q_start, torch.tensor(q_lens, **i32),
+                torch.tensor(kv_lens, **i32), max(q_lens), scale)
+        pairs = sum(ql * (kv - ql) + ql * (ql + 1) // 2 for ql, kv in seqs)
+        flops = 4 * d * hq * pairs
+        nbytes = (2 * total * hq * d + 2 * sum(kv_lens) * hk * d) * ELEM
+        torch.testing.assert_close(prefill_attention_triton(*args), prefill_attention_ref(*args),
+                                   atol=1.6e-2, rtol=1.6e-2)
+        impls = {"triton": lambda: prefill_attention_triton(*args),
+                 "torch": lambda: prefill_attention_ref(*args)}
+        if len(set(seqs)) == 1:  # equal sequences: one dense SDPA call
+            (q_len, kv_len), batch = seqs[0], len(seqs)
+            k_dense, v_dense = dense_kv(k_cache, v_cache, table, kv_len)
+            q4 = q.view(batch, q_len, hq, d).transpose(1, 2)  # [B, Hq, q_len, D]
+            if q_len == kv_len:
+                impls["sdpa"] = lambda: F.scaled_dot_product_attention(
+                    q4, k_dense, v_dense, is_causal=True, scale=scale, enable_gqa=True)
+            else:  # bottom-right causal mask for a chunk on a cached prefix
+                pos = torch.arange(kv_len, device=DEVICE)
+                mask = pos[-q_len:, None] >= pos[None, :]
+                impls["sdpa"] = lambda: F.scaled_dot_product_attention(
+                    q4, k_dense, v_dense, attn_mask=mask, scale=scale, enable_gqa=True)
+        measure("prefill_attention", model, shape, nbytes, impls, copy_bw, flops=flops)
+        if sweep:
+            for block_m, block_n, warps, stages in PREFILL_VARIANTS:
+                if time.time() - START > budget_s:
+                    break
+                measure("prefill_attention", model, shape, nbytes, {
+                    "triton": lambda: _prefill_attention_launch(*args, block_m, block_n, warps, stages)},
+                    copy_bw, flops=flops, variant=f"M={block_m} N={block_n} w={warps} s={stages}")
+
+
+# ---------------------------------------------------------------- table
+
+
+def print_table():
+    rows = {}
+    for r in RECORDS:
+        if "model" not in r or "variant" in r or "ms" not in r:
+            continue
+        key = (r["kind"], r["model"], r["shape"])
+        rows.setdefault(key, {})[r["impl"]] = r
+    print(f"\n{'op':<18} {'model':<13} {'shape':<30} {'triton us':>10} {'torch us':>10} "
+          f"{'sdpa us':>9} {'x torch':>8} {'bw frac':>8} {'TFLOP/s':>8}")
+    for (kind, model, shape), impls in rows.items():
+        t = impls.get("triton")
+        if t is None:
+            continue
+
+        def us(name):
+            return f"{impls[name]['ms'] * 1e3:.1f}" if name in impls else "-"
+
+        speedup = f"{impls['torch']['ms'] / t['ms']:.1f}" if "torch" in impls else "-"
+        print(f"{kind:<18} {model:<13} {shape:<30} {us('triton'):>10} {us('torch'):>10} {us('sdpa'):>9} "
+              f"{speedup:>8} {t['bw_frac']:>8.2f} {t.get('tflops', '-'):>8}")
+    best = {}
+    for r in RECORDS:
+        if "variant" in r and "ms" in r:
+            key = (r["kind"], r["model"], r["shape"])
+            if key not in best or r["ms"] < best[key]["ms"]:
+                best[key] = r
+    if best:
+        print("\nfastest swept variant per shape:")
+        for (kind, model, shape), r in best.items():
+            default = rows.get((kind, model, shape), {}).get("triton")
+            ref = f"{default['ms'] * 1e3:.1f}" if default else "-"
+            print(f"{kind:<18} {model:<13} {shape:<30} {r['ms'] * 1e3:>8.1f} us (default {ref} us)  {r['variant']}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="also time attention block-size variants")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="stop sweeping after this many seconds")
+    parser.add_argument("--only", default="", help="comma-separated subset: elementwise,decode,prefill")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+    parts = set(args.only.split(",")) if args.only else {"elementwise", "decode", "prefill"}
+    props = torch.cuda.get_device_properties(0)
+    emit(kind="device", name=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+         triton=triton.__version__)
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth()
+    try:
+        for model, cfg in MODELS.items():
+            if "decode" in parts:
+                bench_decode(model, cfg, copy_bw, args.sweep, args.budget_s)
+            if "prefill" in parts:
+                bench_prefill(model, cfg, copy_bw, args.sweep, args.budget_s)
+        for model, cfg in MODELS.items():
+            if "elementwise" in parts:
+                bench_elementwise(model, cfg, copy_bw)
+    finally:
+        print_table()
+
+
+if __name__ == "__main__":
+    main()
