@@ -1,0 +1,122 @@
+"""Sampling: seeded results independent of the batch, top-k/top-p stay in their sets, stop strings,
+min_tokens, EOS."""
+import pytest
+import torch
+
+from batchgen import LLM, SamplingParams
+from batchgen.layers.sampler import SamplingBatch, mask_top_k_top_p, sample, uniform_noise
+
+
+def sampling_batch(n, temperature=1.0, top_k=None, top_p=1.0, seeds=None, vocab=50):
+    return SamplingBatch(
+        temperatures=torch.full((n,), temperature),
+        top_ks=torch.full((n,), top_k or vocab, dtype=torch.int64),
+        top_ps=torch.full((n,), top_p),
+        seeds=torch.tensor(seeds if seeds is not None else list(range(n)), dtype=torch.int64),
+        steps=torch.zeros(n, dtype=torch.int64),
+        all_greedy=temperature == 0,
+        use_top_k_top_p=top_k is not None or top_p < 1.0,
+    )
+
+
+def test_noise_is_uniform_and_a_function_of_seed_and_step_only():
+    u = uniform_noise(torch.tensor([1, 2, 1]), torch.tensor([0, 0, 5]), 100_000)
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.01
+    again = uniform_noise(torch.tensor([7, 1]), torch.tensor([3, 0]), 100_000)
+    assert torch.equal(again[1], u[0])  # same (seed, step): same noise, wherever the row sits
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))[None].repeat(20_000, 1)
+    tokens = sample(logits, sampling_batch(20_000, vocab=3))
+    freq = torch.bincount(tokens, minlength=3).float() / 20_000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.015)
+
+
+def test_top_k_never_picks_outside_the_k_largest():
+    torch.manual_seed(0)
+    logits = torch.randn(2_000, 50)
+    tokens = sample(logits, sampling_batch(2_000, temperature=2.0, top_k=3))
+    allowed = logits.topk(3, dim=-1).indices
+    assert (allowed == tokens[:, None]).any(-1).all()
+    assert len(set(tokens.tolist())) > 3  # rows differ, so many distinct tokens overall
+
+
+def test_top_p_never_picks_outside_the_nucleus():
+    torch.manual_seed(1)
+    logits = torch.randn(2_000, 50) * 3
+    tokens = sample(logits, sampling_batch(2_000, top_p=0.5))
+    probs = logits.softmax(-1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    in_nucleus = (sorted_p.cumsum(-1) - sorted_p) < 0.5
+    chosen_rank = (order == tokens[:, None]).float().argmax(-1)
+    assert in_nucleus.gather(1, chosen_rank[:, None]).all()
+
+
+def test_top_k_top_p_mask_keeps_the_expected_sets():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    kept = mask_top_k_top_p(logits, torch.tensor([3]), torch.tensor([0.6])).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]
+
+
+def test_greedy_rows_take_argmax_in_a_mixed_batch():
+    torch.manual_seed(2)
+    logits = torch.randn(8, 50)
+    sb = sampling_batch(8, temperature=1.0)
+    sb.temperatures[::2] = 0.0
+    tokens = sample(logits, sb)
+    assert torch.equal(tokens[::2], logits.argmax(-1)[::2])
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(str(tiny_model("llama")), max_num_seqs=8)
+
+
+def test_same_seed_same_tokens_whatever_the_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10)
+    target = {"id": "t", "prompt_token_ids": [5, 6, 7], "seed": 1234}
+    alone = llm.generate_list([target], params)[0]["output_token_ids"]
+    others = [{"id": i, "prompt_token_ids": list(range(3, 3 + i)), "seed": i} for i in range(1, 7)]
+    crowded = llm.generate_list(others[:3] + [target] + others[3:], params)[3]["output_token_ids"]
+    assert alone == crowded
+    other_seed = llm.generate_list([{**target, "seed": 99}], params)[0]["output_token_ids"]
+    assert other_seed != alone
+
+
+def test_rows_without_seed_get_one_from_the_job_seed_and_id(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=10)
+    rows = [{"id": "a", "prompt_token_ids": [1, 2]}, {"id": "b", "prompt_token_ids": [1, 2]}]
+    first, second = llm.generate_list(rows, params), llm.generate_list(rows[::-1], params)[::-1]
+    assert [r["output_token_ids"] for r in first] == [r["output_token_ids"] for r in second]
+    assert first[0]["output_token_ids"] != first[1]["output_token_ids"]
+
+
+def test_stop_string_cuts_the_text(llm):
+    row = {"id": 0, "prompt_token_ids": [10, 20, 30]}
+    full = llm.generate_list([row], SamplingParams(temperature=0, max_tokens=16))[0]
+    text = full["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop
+    cut = llm.generate_list([{**row, "stop": [stop]}], SamplingParams(temperature=0, max_tokens=16))[0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == text[: text.find(stop)]
+    assert stop not in cut["text"]
+    assert cut["output_token_ids"] == full["output_token_ids"][: len(cut["output_token_ids"])]
+
+
+def test_stop_token_ids_min_tokens_and_ignore_eos(llm):
+    row = {"id": 0, "prompt_token_ids": [10, 20, 30]}
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    full = llm.generate_list([row], greedy)[0]["output_token_ids"]
+    stop_at = full[4]
+    first = full.index(stop_at)
+    r = llm.generate_list([{**row, "stop_token_ids": [stop_at]}], greedy)[0]
+    assert r["finish_reason"] == "stop" and r["output_token_ids"] == full[: first + 1]
+    # min_tokens forbids the stop token until enough tokens exist, so generation takes another path
+    r = llm.generate_list([{**row, "stop_token_ids": [stop_at], "min_tokens": first + 2}], greedy)[0]
+    assert stop_at not in r["output_token_ids"][: first + 2] and r["completion_tokens"] >= first + 2
+    r = llm.generate_list([{**row, "stop_token_ids": [stop_at], "ignore_eos": True}], greedy)[0]
+    assert r["finish_reason"] == "stop"  # ignore_eos drops EOS only, not explicit stop tokens
