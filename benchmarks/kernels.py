@@ -16,6 +16,7 @@ attention kernels (the tuning behind the defaults; see benchmarks/KERNELS.md).
 import argparse
 import json
 import random
+import signal
 import sys
 import time
 
@@ -311,6 +312,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     parts = set(args.only.split(",")) if args.only else {"elementwise", "decode", "prefill"}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))  # still print the table
     props = torch.cuda.get_device_properties(0)
     emit(kind="device", name=props.name, sms=props.multi_processor_count, torch=torch.__version__,
          triton=triton.__version__)
