@@ -64,7 +64,7 @@ def parse_jsonl_line(index: int, raw: bytes) -> InputRow:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return InputRow(index, None, f"not valid UTF-8 (byte {e.start} of the line)")
+        return InputRow(index, None, f"not valid UTF-8 (at byte offset {e.start} of the line)")
     try:
         data = json.loads(line)
     except json.JSONDecodeError as e:
