@@ -8,10 +8,11 @@ fewest bytes the op must move (each input read once, each output written once) o
 and a fraction of the device copy bandwidth measured here (a 2 GiB device-to-device copy, bytes
 read + written). Prefill attention also reports TFLOP/s (4 * D flops per visible (query, key) pair).
 
-    python benchmarks/kernels.py [--sweep] [--budget-s S] [--json FILE]
+    PYTHONPATH=. python benchmarks/kernels.py [--sweep] [--budget-s S] [--only decode,prefill,elementwise]
 
 One JSON line per measurement; a table last. --sweep also times block-size variants of the two
-attention kernels (the tuning behind the defaults; see benchmarks/KERNELS.md).
+attention kernels, each checked against the reference first (the tuning behind the defaults; see
+benchmarks/KERNELS.md).
 """
 import argparse
 import json
@@ -91,6 +92,16 @@ def measure(kind, model, shape, nbytes, impls, copy_bw, flops=None, variant=None
         emit(**rec)
 
 
+def check_variant(kind, model, shape, variant, fn, expected) -> bool:
+    """A swept variant must match the default launcher (itself checked against the reference)."""
+    try:
+        torch.testing.assert_close(fn(), expected, atol=1.6e-2, rtol=1.6e-2)
+        return True
+    except Exception as e:  # a failed compile (resources) or a wrong result: record, go on
+        emit(kind=kind, model=model, shape=shape, variant=variant, error=repr(e)[:300])
+        return False
+
+
 # ---------------------------------------------------------------- elementwise ops
 
 ELEMENTWISE_TOKENS = [(256, "decode"), (8192, "prefill")]  # a decode batch, a prefill step
@@ -160,9 +171,11 @@ def dense_kv(k_cache, v_cache, table, kv_len):
 # ---------------------------------------------------------------- decode attention
 
 DECODE_SHAPES = [(1, 4096), (32, 2048), (128, 1024), (256, 4096)]  # (batch, context)
-# (split programs per SM, BLOCK_N, num_warps, num_stages); the first is the launcher's default.
-DECODE_VARIANTS = [(2, 64, 4, 2), (1, 64, 4, 2), (4, 64, 4, 2), (8, 64, 4, 2), (2, 32, 4, 2),
-                   (2, 128, 4, 2), (2, 64, 4, 3), (2, 64, 8, 2), (2, 128, 8, 3), (2, 64, 2, 2)]
+# (split programs per SM, BLOCK_N, num_warps, num_stages, tl.dot); the first is the launcher's default.
+DECODE_VARIANTS = [(2, 64, 4, 2, True), (1, 64, 4, 2, True), (4, 64, 4, 2, True), (8, 64, 4, 2, True),
+                   (2, 32, 4, 2, True), (2, 128, 4, 2, True), (2, 64, 4, 3, True), (2, 64, 4, 4, True),
+                   (2, 64, 8, 2, True), (2, 128, 8, 3, True), (2, 64, 2, 2, True), (4, 32, 2, 3, True),
+                   (2, 16, 4, 2, False), (2, 32, 4, 2, False), (4, 16, 2, 3, False)]
 
 
 def bench_decode(model, cfg, copy_bw, sweep, budget_s):
@@ -190,13 +203,15 @@ def bench_decode(model, cfg, copy_bw, sweep, budget_s):
                                                                enable_gqa=True)
         measure("decode_attention", model, shape, nbytes, impls, copy_bw)
         if sweep:
-            for per_sm, block_n, warps, stages in DECODE_VARIANTS:
+            expected = decode_attention_triton(*args)
+            for per_sm, block_n, warps, stages, use_dot in DECODE_VARIANTS:
                 if time.time() - START > budget_s:
                     break
                 split_len = _pick_split_len(batch, hk, kv_len, block_n, _num_sms(q.device) * per_sm // 2)
-                measure("decode_attention", model, shape, nbytes, {
-                    "triton": lambda: _decode_attention_launch(*args, split_len, block_n, warps, stages)},
-                    copy_bw, variant=f"per_sm={per_sm} S={split_len} N={block_n} w={warps} s={stages}")
+                variant = f"per_sm={per_sm} S={split_len} N={block_n} w={warps} s={stages} dot={int(use_dot)}"
+                fn = lambda: _decode_attention_launch(*args, split_len, block_n, warps, stages, use_dot)  # noqa: E731
+                if check_variant("decode_attention", model, shape, variant, fn, expected):
+                    measure("decode_attention", model, shape, nbytes, {"triton": fn}, copy_bw, variant=variant)
         del k_cache, v_cache, k_dense, v_dense
 
 
@@ -258,12 +273,15 @@ def bench_prefill(model, cfg, copy_bw, sweep, budget_s):
                     q4, k_dense, v_dense, attn_mask=mask, scale=scale, enable_gqa=True)
         measure("prefill_attention", model, shape, nbytes, impls, copy_bw, flops=flops)
         if sweep:
+            expected = prefill_attention_triton(*args)
             for block_m, block_n, warps, stages in PREFILL_VARIANTS:
                 if time.time() - START > budget_s:
                     break
-                measure("prefill_attention", model, shape, nbytes, {
-                    "triton": lambda: _prefill_attention_launch(*args, block_m, block_n, warps, stages)},
-                    copy_bw, flops=flops, variant=f"M={block_m} N={block_n} w={warps} s={stages}")
+                variant = f"M={block_m} N={block_n} w={warps} s={stages}"
+                fn = lambda: _prefill_attention_launch(*args, block_m, block_n, warps, stages)  # noqa: E731
+                if check_variant("prefill_attention", model, shape, variant, fn, expected):
+                    measure("prefill_attention", model, shape, nbytes, {"triton": fn}, copy_bw,
+                            flops=flops, variant=variant)
 
 
 # ---------------------------------------------------------------- table

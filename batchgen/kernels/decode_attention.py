@@ -5,7 +5,7 @@ token's own K/V is already stored). GQA: query head h reads KV head h // (Hq / H
     o_i = softmax(q_i K_i^T * scale) V_i
 
 The Triton version is flash-decoding in two launches.
-Stage 1: program (i, kv head, c) takes split c = [c * S, (c + 1) * S) of sequence i's context and
+Stage 1: program (kv head, c, i) takes split c = [c * S, (c + 1) * S) of sequence i's context and
 all G = Hq / Hk query heads of the kv head at once (one [G, BLOCK_N] tile per step, so the keys
 and values are read once per group), and writes for each query head, with s = q.k * scale * log2(e),
     lse_c = m_c + log2(sum_{p in c} 2^(s_p - m_c)),   o_c = sum_{p in c} 2^(s_p - lse_c) v_p
@@ -13,6 +13,9 @@ and values are read once per group), and writes for each query head, with s = q.
 Stage 2: program (i, q head) merges the C_i = ceil(kv_lens[i] / S) splits of the sequence:
     o = sum_c 2^(lse_c - lse) o_c,   lse = log2(sum_c 2^lse_c)
 A sequence with kv_lens[i] == 0 gets o = 0 (the reference gives NaN).
+The grid and S come from host ints only (B, Hk, max_kv_len, the SM count): no host sync, and a CUDA
+graph captured with max_kv_len = the table width serves any lengths up to it (splits past kv_lens[i]
+return at once; S then stays sized for max_kv_len, so short contexts get fewer programs).
 """
 import math
 
@@ -40,16 +43,19 @@ def _decode_split_kernel(
     num_splits,  # C
     split_len,  # S, a multiple of BLOCK_N
     qk_scale,  # softmax scale * log2(e)
-    head_dim,  # D
     GROUP: tl.constexpr,  # G = Hq / Hk
-    BLOCK_G: tl.constexpr,  # next power of 2 >= G, at least 16 (the smallest tl.dot tile)
+    HEAD_DIM: tl.constexpr,  # D
+    BLOCK_G: tl.constexpr,  # next power of 2 >= G; with USE_DOT at least 16 (the smallest tl.dot)
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D, at least 16
+    USE_DOT: tl.constexpr,  # q.k and p.v on the tensor cores, else as broadcast products and sums
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2).to(tl.int64)
+    # The kv heads of one (sequence, split) run side by side: they read neighbouring bytes of
+    # the same slots.
+    kv_head = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    seq = tl.program_id(2).to(tl.int64)
     kv_len = tl.load(kv_lens_ptr + seq)
     split_start = split * split_len
     if split_start >= kv_len:
@@ -60,7 +66,7 @@ def _decode_split_kernel(
     group = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
     group_mask = group < GROUP
-    dim_mask = dims < head_dim
+    dim_mask = dims < HEAD_DIM
     heads = kv_head * GROUP + group  # query heads of this kv head
     q = tl.load(
         q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
@@ -79,20 +85,27 @@ def _decode_split_kernel(
         kv_offs = slots[:, None] * cache_stride_s + kv_head * cache_stride_h + dims[None, :]
         kv_mask = col_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
-        s = tl.where(col_mask[None, :], s, float("-inf"))
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        else:
+            s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+        s = tl.where(col_mask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_D]
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     part = (seq * num_q_heads + heads) * num_splits + split  # row of [B * Hq * C]
     tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=group_mask)
     tl.store(
-        part_o_ptr + part[:, None] * head_dim + dims[None, :],
+        part_o_ptr + part[:, None] * HEAD_DIM + dims[None, :],
         acc / l_i[:, None],
         mask=group_mask[:, None] & dim_mask[None, :],
     )
@@ -109,7 +122,7 @@ def _decode_merge_kernel(
     num_q_heads,  # Hq
     num_splits,  # C
     split_len,  # S
-    head_dim,  # D
+    HEAD_DIM: tl.constexpr,  # D
     BLOCK_D: tl.constexpr,  # next power of 2 >= D
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -117,7 +130,7 @@ def _decode_merge_kernel(
     kv_len = tl.load(kv_lens_ptr + seq)
     used_splits = (kv_len + split_len - 1) // split_len
     dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
+    dim_mask = dims < HEAD_DIM
     part = (seq * num_q_heads + head) * num_splits  # first split of this (sequence, head)
 
     out_ptrs = out_ptr + seq * out_stride_b + head * out_stride_h + dims
@@ -126,10 +139,10 @@ def _decode_merge_kernel(
         return
     # Start from split 0 and fold in the others.
     lse = tl.load(part_lse_ptr + part)  # log2 of the sum of weights so far
-    acc = tl.load(part_o_ptr + part * head_dim + dims, mask=dim_mask, other=0.0)
+    acc = tl.load(part_o_ptr + part * HEAD_DIM + dims, mask=dim_mask, other=0.0)
     for c in range(1, used_splits):
         lse_c = tl.load(part_lse_ptr + part + c)
-        o_c = tl.load(part_o_ptr + (part + c) * head_dim + dims, mask=dim_mask, other=0.0)
+        o_c = tl.load(part_o_ptr + (part + c) * HEAD_DIM + dims, mask=dim_mask, other=0.0)
         m = tl.maximum(lse, lse_c)
         lse_new = m + tl.log2(tl.exp2(lse - m) + tl.exp2(lse_c - m))
         acc = acc * tl.exp2(lse - lse_new) + o_c * tl.exp2(lse_c - lse_new)
@@ -147,16 +160,19 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[index]
 
 
-def _pick_split_len(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, sms: int) -> int:
+def _pick_split_len(
+    num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, sms: int
+) -> int:
     """Fewest splits that give about 2 programs per SM: S = max_kv_len / splits, rounded up to a
     multiple of BLOCK_N."""
-    splits = max(1, min(triton.cdiv(2 * sms, num_seqs * num_kv_heads), triton.cdiv(max_kv_len, block_n)))
+    splits = min(triton.cdiv(2 * sms, num_seqs * num_kv_heads), triton.cdiv(max_kv_len, block_n))
+    splits = max(splits, 1)
     return max(triton.cdiv(triton.cdiv(max_kv_len, splits), block_n), 1) * block_n
 
 
 def _decode_attention_launch(
     q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale,
-    split_len, block_n, num_warps, num_stages,
+    split_len, block_n, num_warps, num_stages, use_dot=True,
 ):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -168,10 +184,11 @@ def _decode_attention_launch(
     if num_seqs == 0:
         return out
     num_splits = max(triton.cdiv(max_kv_len, split_len), 1)
-    part_o = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    part_o = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), **f32)
+    part_lse = torch.empty((num_seqs, num_q_heads, num_splits), **f32)
     block_d = max(triton.next_power_of_2(head_dim), 16)
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         req_to_token, req_to_token.stride(0),
@@ -179,11 +196,12 @@ def _decode_attention_launch(
         part_o, part_lse,
         num_q_heads, num_splits, split_len,
         scale * math.log2(math.e),
-        head_dim,
         GROUP=group,
-        BLOCK_G=max(triton.next_power_of_2(group), 16),
+        HEAD_DIM=head_dim,
+        BLOCK_G=max(triton.next_power_of_2(group), 16 if use_dot else 1),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        USE_DOT=use_dot,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
@@ -191,7 +209,8 @@ def _decode_attention_launch(
     _decode_merge_kernel[(num_seqs, num_q_heads)](
         part_o, part_lse, kv_lens,
         out, out.stride(0), out.stride(1),
-        num_q_heads, num_splits, split_len, head_dim,
+        num_q_heads, num_splits, split_len,
+        HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         num_warps=1 if block_d <= 64 else 2,
     )
@@ -208,7 +227,12 @@ def decode_attention_triton(
     max_kv_len: int,
     scale: float,
 ) -> torch.Tensor:
-    block_n, num_warps, num_stages = 64, 4, 2
+    # Tuned on H100/H200 for 16-bit caches (see benchmarks/KERNELS.md); fp32 and head_dim > 128
+    # take smaller tiles.
+    if q.dtype == torch.float32 or q.shape[2] > 128:
+        block_n, num_warps, num_stages = 32, 4, 1
+    else:
+        block_n, num_warps, num_stages = 64, 4, 2
     sms = _num_sms(q.device) if q.is_cuda else 4
     split_len = _pick_split_len(q.shape[0], k_cache.shape[1], max_kv_len, block_n, sms)
     return _decode_attention_launch(

@@ -14,6 +14,7 @@ The Triton kernel is flash attention with an online softmax in base 2: one progr
 query rows of one head of one sequence and walks the keys in blocks of BLOCK_N, keeping per row
     m = running max of s,  l = sum 2^(s - m),  acc = sum 2^(s - m) v,   s = q.k * scale * log2(e)
 and rescaling l and acc by 2^(m_old - m_new) when the max grows; o = acc / l. Products are fp32.
+Key blocks that every row of the program sees skip the causal mask; only the diagonal ones apply it.
 """
 import math
 
@@ -21,6 +22,47 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _attend_keys(
+    acc,  # [BLOCK_M, BLOCK_D] fp32 running sum of 2^(s - m_i) v
+    l_i,  # [BLOCK_M] fp32 running sum of 2^(s - m_i)
+    m_i,  # [BLOCK_M] fp32 running max of s
+    q,  # [BLOCK_M, BLOCK_D]
+    q_pos,  # [BLOCK_M] absolute position of each query row
+    token_row,  # pointer to this sequence's row of req_to_token
+    k_head_ptr,  # k_cache + kv_head * cache_stride_h
+    v_head_ptr,  # v_cache + kv_head * cache_stride_h
+    cache_stride_s,  # elements between two slots of either cache
+    lo,  # first key position, a multiple of BLOCK_N
+    hi,  # keys stop before this position
+    qk_scale,  # softmax scale * log2(e)
+    CAUSAL_MASK: tl.constexpr,  # mask keys after each row's position (blocks on the diagonal)
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    dims = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)  # key positions
+        col_mask = cols < hi
+        slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)
+        kv_offs = slots[:, None] * cache_stride_s + dims[None, :]
+        kv_mask = col_mask[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_head_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if CAUSAL_MASK:
+            s = tl.where((q_pos[:, None] >= cols[None, :]) & col_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_head_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -42,8 +84,8 @@ def _prefill_attention_kernel(
     q_lens_ptr,  # [B] int32 new tokens of each sequence
     kv_lens_ptr,  # [B] int32 tokens each sequence attends to (cached + new)
     qk_scale,  # softmax scale * log2(e)
-    head_dim,  # D
     GROUP: tl.constexpr,  # Hq / Hk
+    HEAD_DIM: tl.constexpr,  # D
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D (and >= 16)
@@ -53,7 +95,8 @@ def _prefill_attention_kernel(
     head = tl.program_id(1).to(tl.int64)
     seq = tl.program_id(2).to(tl.int64)
     q_len = tl.load(q_lens_ptr + seq)
-    if block_m * BLOCK_M >= q_len:
+    first_row = block_m * BLOCK_M
+    if first_row >= q_len:
         return
     kv_len = tl.load(kv_lens_ptr + seq)
     prefix = kv_len - q_len  # cached tokens before the first new one
@@ -61,55 +104,53 @@ def _prefill_attention_kernel(
     token_row = req_to_token_ptr + tl.load(req_rows_ptr + seq).to(tl.int64) * req_to_token_stride
     kv_head = head // GROUP
 
-    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
+    rows = first_row + tl.arange(0, BLOCK_M)  # query index within the chunk
     dims = tl.arange(0, BLOCK_D)
-    row_mask = rows < q_len
-    dim_mask = dims < head_dim
+    io_mask = (rows < q_len)[:, None] & (dims < HEAD_DIM)[None, :]
     q = tl.load(
         q_ptr + (q_first + rows)[:, None] * q_stride_t + head * q_stride_h + dims[None, :],
-        mask=row_mask[:, None] & dim_mask[None, :],
+        mask=io_mask,
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    q_pos = prefix + rows  # absolute position of each query row
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Key 0 is visible to every row, so m_i is finite after the first block: no NaN from -inf - -inf.
-    q_pos = prefix + rows  # absolute position of each query row
-    kv_end = tl.minimum(kv_len, prefix + (block_m + 1) * BLOCK_M)  # causal: later keys unseen
-    for start_n in range(0, kv_end, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)  # key positions
-        col_mask = cols < kv_end
-        slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)
-        kv_offs = slots[:, None] * cache_stride_s + kv_head * cache_stride_h + dims[None, :]
-        kv_mask = col_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = (q_pos[:, None] >= cols[None, :]) & col_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Keys [0, full_end) are visible to every row of the block: no causal mask there. Then the
+    # blocks on the diagonal, up to the last row's position. Either the first phase runs or the
+    # second starts at key 0, which every row sees: m_i is finite after the first block, so
+    # 2^(m_i - m_new) never meets -inf - -inf.
+    full_end = (prefix + first_row + 1) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(kv_len, prefix + first_row + BLOCK_M)
+    k_head_ptr = k_cache_ptr + kv_head * cache_stride_h
+    v_head_ptr = v_cache_ptr + kv_head * cache_stride_h
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, q_pos, token_row, k_head_ptr, v_head_ptr, cache_stride_s,
+        0, full_end, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, q_pos, token_row, k_head_ptr, v_head_ptr, cache_stride_s,
+        full_end, kv_end, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+    )
 
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + (q_first + rows)[:, None] * out_stride_t + head * out_stride_h + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & dim_mask[None, :],
+        mask=io_mask,
     )
 
 
-def _pick_config(head_dim: int, max_q_len: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for H100; see benchmarks/KERNELS.md."""
-    if max_q_len <= 64:
-        return 64, 64, 4, 2
+def _pick_config(head_dim: int, max_q_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), tuned on H100/H200 for 16-bit inputs (see
+    benchmarks/KERNELS.md); fp32 and head_dim > 128 take small tiles that fit in registers."""
+    if dtype == torch.float32 or head_dim > 128:
+        return (64, 32, 4, 1) if head_dim <= 128 else (32, 32, 4, 1)
+    block_m = 64 if max_q_len <= 64 else 128
     if head_dim <= 64:
-        return 128, 64, 4, 2
-    return 128, 64, 8, 2
+        return block_m, 64, 4, 2
+    return block_m, 64, 4 if block_m == 64 else 8, 2
 
 
 def _prefill_attention_launch(
@@ -133,8 +174,8 @@ def _prefill_attention_launch(
         req_to_token, req_to_token.stride(0),
         req_rows, q_start, q_lens, kv_lens,
         scale * math.log2(math.e),
-        head_dim,
         GROUP=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
@@ -157,7 +198,7 @@ def prefill_attention_triton(
     max_q_len: int,
     scale: float,
 ) -> torch.Tensor:
-    config = _pick_config(q.shape[2], max_q_len)
+    config = _pick_config(q.shape[2], max_q_len, q.dtype)
     return _prefill_attention_launch(
         q, k_cache, v_cache, req_to_token, req_rows, q_start, q_lens, kv_lens, max_q_len, scale,
         *config,

@@ -16,15 +16,16 @@ class Batch:
     kv_lens: torch.Tensor  # [B] int32
 
 
-def make_batch(seqs, q_heads, kv_heads, head_dim, dtype, device, seed=0) -> Batch:
+def make_batch(seqs, q_heads, kv_heads, head_dim, dtype, device, seed=0, table_len=None) -> Batch:
     """seqs: [(q_len, kv_len)] per sequence. Slots are a random permutation of the pool, request
-    rows are shuffled, and unused table entries hold an out-of-range slot that must never be read."""
+    rows are shuffled, and unused table entries hold an out-of-range slot that must never be read.
+    table_len: columns of req_to_token (default: the longest context + 5)."""
     gen = torch.Generator().manual_seed(seed)
     q_lens = [q for q, _ in seqs]
     kv_lens = [kv for _, kv in seqs]
     num_slots = sum(kv_lens) + 7
     rows = len(seqs) + 3
-    req_to_token = torch.full((rows, max(kv_lens) + 5), 1 << 30, dtype=torch.int32)
+    req_to_token = torch.full((rows, table_len or max(kv_lens) + 5), 1 << 30, dtype=torch.int32)
     req_rows = torch.randperm(rows, generator=gen)[: len(seqs)]
     slots = torch.randperm(num_slots, generator=gen)
     used = 0

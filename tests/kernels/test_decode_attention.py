@@ -9,10 +9,13 @@ from batchgen.kernels.decode_attention import (
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (Hq, Hk, D): GQA, MHA, a group of 7, head_dim not a power of 2; on the GPU also groups of 8, 32.
+# (Hq, Hk, D): GQA, MHA, a group of 7, head_dim not a power of 2; on the GPU also groups of 8, 32,
+# 3 (SmolLM2) and head_dim 256.
 HEADS = [(4, 2, 32), (7, 1, 24), (2, 2, 16)] + [
     pytest.param(*h, marks=pytest.mark.gpu)
-    for h in [(32, 8, 64), (32, 8, 128), (14, 2, 80), (64, 8, 128), (32, 1, 64)]
+    for h in [
+        (32, 8, 64), (32, 8, 128), (14, 2, 80), (64, 8, 128), (32, 1, 64), (9, 3, 64), (8, 2, 256)
+    ]
 ]
 CPU_KV_LENS = [1, 7, 13, 64, 97]
 
@@ -36,11 +39,24 @@ def test_decode_attention(device, assert_close, dtype, q_heads, kv_heads, head_d
     assert_close(decode_attention_triton(*args), decode_attention_ref(*args))
 
 
-@pytest.mark.parametrize("split_len,block_n,num_warps", [(16, 16, 1), (32, 16, 2), (64, 64, 4), (128, 32, 4)])
-def test_decode_attention_splits(device, assert_close, split_len, block_n, num_warps):
+@pytest.mark.parametrize("use_dot", [True, False])
+@pytest.mark.parametrize(
+    "split_len,block_n,num_warps", [(16, 16, 1), (32, 16, 2), (64, 64, 4), (128, 32, 4)]
+)
+def test_decode_attention_splits(device, assert_close, split_len, block_n, num_warps, use_dot):
     batch = make_batch([(1, n) for n in CPU_KV_LENS], 8, 2, 32, torch.float32, device, seed=5)
     args = _args(batch, 97, 0.2)
-    out = _decode_attention_launch(*args, split_len, block_n, num_warps, 2)
+    out = _decode_attention_launch(*args, split_len, block_n, num_warps, 2, use_dot)
+    assert_close(out, decode_attention_ref(*args))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", HEADS)
+def test_decode_attention_without_dot(device, assert_close, dtype, q_heads, kv_heads, head_dim):
+    kv_lens = CPU_KV_LENS if device == "cpu" else _gpu_kv_lens()[:16]
+    batch = make_batch([(1, n) for n in kv_lens], q_heads, kv_heads, head_dim, dtype, device, seed=7)
+    args = _args(batch, max(kv_lens), head_dim**-0.5)
+    out = _decode_attention_launch(*args, 64, 32, 4, 2, False)
     assert_close(out, decode_attention_ref(*args))
 
 
@@ -57,8 +73,9 @@ def test_decode_attention_empty_context_gives_zeros(device, assert_close):
 @pytest.mark.gpu
 def test_decode_attention_in_cuda_graph(device, assert_close):
     """No host synchronisation: the launch captures, and replays follow new lengths and slots."""
-    batch = make_batch([(1, n) for n in [300, 1, 77, 1024]], 32, 8, 128, torch.bfloat16, device)
-    max_kv_len = 2048
+    max_kv_len = 2048  # the width of the token table, as when the engine captures a graph
+    batch = make_batch([(1, n) for n in [300, 1, 77, 1024]], 32, 8, 128, torch.bfloat16, device,
+                       table_len=max_kv_len)
     args = _args(batch, max_kv_len, 128**-0.5)
     decode_attention_triton(*args)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

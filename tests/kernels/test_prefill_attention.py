@@ -11,9 +11,11 @@ from batchgen.kernels.prefill_attention import (
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (Hq, Hk, D): GQA, MHA, a group of 7, head_dim not a power of 2.
+# (Hq, Hk, D): GQA, MHA, a group of 7, head_dim not a power of 2; on the GPU also SmolLM2 (group
+# 3) and head_dim 256.
 HEADS = [(4, 2, 32), (3, 3, 24)] + [
-    pytest.param(*h, marks=pytest.mark.gpu) for h in [(32, 8, 64), (32, 8, 128), (14, 2, 80)]
+    pytest.param(*h, marks=pytest.mark.gpu)
+    for h in [(32, 8, 64), (32, 8, 128), (14, 2, 80), (9, 3, 64), (8, 2, 256)]
 ]
 # (q_len, kv_len): one token, a whole prompt, chunks with a cached prefix, a chunk over two blocks.
 CPU_SEQS = [(1, 1), (7, 12), (19, 19), (3, 40), (130, 200)]
