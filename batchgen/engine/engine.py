@@ -137,6 +137,8 @@ def result_row(seq: Sequence) -> dict:
         "decode_s": decode,
         "e2e_s": seq.finished_at - seq.arrival,
         "decode_tokens_per_s": (len(out_ids) - 1) / decode if decode > 0 and len(out_ids) > 1 else None,
+        **({"logprobs": seq.logprobs} if seq.logprobs is not None else {}),
+        **({"prompt_logprobs": seq.prompt_logprobs} if seq.prompt_logprobs is not None else {}),
     }
 
 

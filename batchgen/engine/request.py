@@ -13,7 +13,8 @@ PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 SAMPLING_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
 )
-KNOWN_FIELDS = ("id", *PROMPT_FIELDS, *SAMPLING_FIELDS)
+OUTPUT_OPTIONS = ("logprobs", "prompt_logprobs")  # opt-in: return log-probabilities
+KNOWN_FIELDS = ("id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *OUTPUT_OPTIONS)
 
 
 class RequestError(ValueError):
@@ -126,6 +127,9 @@ class Sequence:
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
         self.finished_at: float | None = None
+        # log p(token) of each generated token / of each prompt token after the first, when asked for
+        self.logprobs: list[float] | None = None
+        self.prompt_logprobs: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -163,4 +167,11 @@ def make_sequence(row: dict, defaults: SamplingParams, job_seed: int, tokenizer,
             "tokens (max model length or KV pool); shorten the prompt or lower max_tokens"
         )
     extras = {k: v for k, v in row.items() if k not in KNOWN_FIELDS}
-    return Sequence(row.get("id"), ids, params, eos_ids, extras, time.monotonic())
+    seq = Sequence(row.get("id"), ids, params, eos_ids, extras, time.monotonic())
+    for name in OUTPUT_OPTIONS:
+        value = row.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(f"{name} must be true or false, got {value!r}")
+        if value:
+            setattr(seq, name, [])
+    return seq

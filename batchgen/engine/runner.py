@@ -143,16 +143,27 @@ class ModelRunner:
         t = torch.tensor(values, dtype=dtype, pin_memory=self.pin)
         return t.to(self.device, non_blocking=True)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence]]:
-        """-> the ForwardBatch, and the sequences that sample a token this step (in logits order)."""
+    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence], list]:
+        """-> the ForwardBatch, the sequences that sample a token this step (in logits order), and the
+        prompt tokens scored for prompt_logprobs as (sequence, count, target ids); their logits
+        follow the samplers' in logits_indices."""
         input_ids, positions, token_rows, logits_indices, samplers = [], [], [], [], []
+        scored, score_indices = [], []
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new):
+            first = len(input_ids)
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             token_rows.extend([seq.row] * n)
             if start + n == seq.num_tokens:  # the chunk reaches the end: sample the next token
                 logits_indices.append(len(input_ids) - 1)
                 samplers.append(seq)
+            if seq.prompt_logprobs is not None:
+                # position p predicts prompt token p + 1; recomputation after preemption skips known ones
+                lo, hi = max(start, len(seq.prompt_logprobs)), min(start + n, seq.num_prompt - 1)
+                if hi > lo:
+                    score_indices.extend(range(first + lo - start, first + hi - start))
+                    scored.append((seq, hi - lo, seq.token_ids[lo + 1 : hi + 1]))
+        logits_indices += score_indices
         nd = batch.num_decode
         decode, prefill = range(nd), range(nd, len(batch.seqs))
         q_start, offset = [], 0
@@ -179,7 +190,7 @@ class ModelRunner:
             prefill_max_q_len=max((batch.num_new[i] for i in prefill), default=0),
             logits_indices=self._tensor(logits_indices, torch.int64),
         )
-        return fb, samplers
+        return fb, samplers, scored
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         vocab = self.model_cfg.vocab_size
@@ -203,11 +214,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
-        """Run one batch; -> the sequences that sampled and their new tokens."""
-        fb, samplers = self.prepare(batch)
+        """Run one batch; -> the sequences that sampled and their new tokens. Log-probabilities
+        asked for are appended to the sequences' lists."""
+        fb, samplers, scored = self.prepare(batch)
         hidden = self.model(fb)
-        if not samplers:
+        if fb.logits_indices.numel() == 0:
             return [], []
         logits = self.model.compute_logits(hidden)
+        num_sampled = len(samplers)
+        if scored:
+            targets = self._tensor([t for _, _, ids in scored for t in ids], torch.int64)
+            values = torch.log_softmax(logits[num_sampled:], dim=-1).gather(1, targets[:, None]).squeeze(1).tolist()
+            for seq, count, _ in scored:
+                seq.prompt_logprobs.extend(values[:count])
+                values = values[count:]
+        if not samplers:
+            return [], []
+        logits = logits[:num_sampled]
         tokens = sample(logits, self.sampling_batch(samplers))
+        wanting = [i for i, s in enumerate(samplers) if s.logprobs is not None]
+        if wanting:
+            rows = self._tensor(wanting, torch.int64)
+            chosen = torch.log_softmax(logits[rows], dim=-1).gather(1, tokens[rows][:, None]).squeeze(1)
+            for i, value in zip(wanting, chosen.tolist()):
+                samplers[i].logprobs.append(value)
         return samplers, tokens.tolist()

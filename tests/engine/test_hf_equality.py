@@ -85,3 +85,20 @@ def test_tiny_kv_pool_preempts(kind, tiny_model, hf_reference):
     results = run(tiny_model(kind), requests, kv_cache_tokens=90, max_num_seqs=8, max_num_batched_tokens=32)
     assert sum(r["num_preemptions"] for r in results) > 0
     assert_matches_hf(results, hf_reference(kind))
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3"])
+def test_logprobs_equal_hf_teacher_forced(kind, tiny_model):
+    """prompt_logprobs (scored over chunked prefill) and the sampled tokens' logprobs equal HF's."""
+    model = load_hf(tiny_model(kind))
+    seqs = prompts()
+    llm = LLM(str(tiny_model(kind)), max_num_seqs=4, max_num_batched_tokens=9)
+    rows = [{"prompt_token_ids": p, "prompt_logprobs": True, "logprobs": True} for p in seqs]
+    for p, r in zip(seqs, llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=4))):
+        full = p + r["output_token_ids"]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([full])).logits[0].float(), dim=-1)
+        expected = ref[:-1].gather(1, torch.tensor(full[1:])[:, None]).squeeze(1)
+        assert len(r["prompt_logprobs"]) == len(p) - 1 and len(r["logprobs"]) == 4
+        ours = torch.tensor(r["prompt_logprobs"] + r["logprobs"])
+        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
