@@ -54,7 +54,7 @@ def assert_matches_hf(results, refs):
 
 
 def run(model_dir, requests, **options):
-    llm = LLM(str(model_dir), **options)
+    llm = LLM(str(model_dir), dtype="float32", **options)
     results = llm.generate_list(requests, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     assert llm.engine.kv.num_free == llm.engine.kv.num_slots  # every slot back in the pool
     return results
@@ -92,7 +92,7 @@ def test_logprobs_equal_hf_teacher_forced(kind, tiny_model):
     """prompt_logprobs (scored over chunked prefill) and the sampled tokens' logprobs equal HF's."""
     model = load_hf(tiny_model(kind))
     seqs = prompts()
-    llm = LLM(str(tiny_model(kind)), max_num_seqs=4, max_num_batched_tokens=9)
+    llm = LLM(str(tiny_model(kind)), dtype="float32", max_num_seqs=4, max_num_batched_tokens=9)
     rows = [{"prompt_token_ids": p, "prompt_logprobs": True, "logprobs": True} for p in seqs]
     for p, r in zip(seqs, llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=4))):
         full = p + r["output_token_ids"]
