@@ -171,11 +171,11 @@ def dense_kv(k_cache, v_cache, table, kv_len):
 # ---------------------------------------------------------------- decode attention
 
 DECODE_SHAPES = [(1, 4096), (32, 2048), (128, 1024), (256, 4096)]  # (batch, context)
-# (split programs per SM, BLOCK_N, num_warps, num_stages, tl.dot); the first is the launcher's default.
-DECODE_VARIANTS = [(2, 64, 4, 2, True), (1, 64, 4, 2, True), (4, 64, 4, 2, True), (8, 64, 4, 2, True),
-                   (2, 32, 4, 2, True), (2, 128, 4, 2, True), (2, 64, 4, 3, True), (2, 64, 4, 4, True),
-                   (2, 64, 8, 2, True), (2, 128, 8, 3, True), (2, 64, 2, 2, True), (4, 32, 2, 3, True),
-                   (2, 16, 4, 2, False), (2, 32, 4, 2, False), (4, 16, 2, 3, False)]
+# (split programs per SM, BLOCK_N, num_warps, num_stages). The launcher's defaults: (2, 128, 4, 2)
+# for head_dim 64, (2, 64, 4, 3) for 128.
+DECODE_VARIANTS = [(2, 128, 4, 2), (2, 64, 4, 3), (2, 64, 4, 2), (1, 64, 4, 2), (4, 64, 4, 2),
+                   (8, 64, 4, 2), (2, 32, 4, 2), (2, 128, 4, 3), (2, 128, 8, 2), (2, 256, 4, 2),
+                   (2, 64, 4, 4), (2, 64, 2, 2), (4, 32, 2, 3), (4, 128, 4, 2)]
 
 
 def bench_decode(model, cfg, copy_bw, sweep, budget_s):
@@ -204,12 +204,12 @@ def bench_decode(model, cfg, copy_bw, sweep, budget_s):
         measure("decode_attention", model, shape, nbytes, impls, copy_bw)
         if sweep:
             expected = decode_attention_triton(*args)
-            for per_sm, block_n, warps, stages, use_dot in DECODE_VARIANTS:
+            for per_sm, block_n, warps, stages in DECODE_VARIANTS:
                 if time.time() - START > budget_s:
                     break
                 split_len = _pick_split_len(batch, hk, kv_len, block_n, _num_sms(q.device) * per_sm // 2)
-                variant = f"per_sm={per_sm} S={split_len} N={block_n} w={warps} s={stages} dot={int(use_dot)}"
-                fn = lambda: _decode_attention_launch(*args, split_len, block_n, warps, stages, use_dot)  # noqa: E731
+                variant = f"per_sm={per_sm} S={split_len} N={block_n} w={warps} s={stages}"
+                fn = lambda: _decode_attention_launch(*args, split_len, block_n, warps, stages)  # noqa: E731
                 if check_variant("decode_attention", model, shape, variant, fn, expected):
                     measure("decode_attention", model, shape, nbytes, {"triton": fn}, copy_bw, variant=variant)
         del k_cache, v_cache, k_dense, v_dense
@@ -232,8 +232,10 @@ def prefill_shapes():
     ]
 
 
-PREFILL_VARIANTS = [(64, 64, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
-                    (128, 128, 8, 2), (64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); the launcher's default for 16-bit inputs: (64, 64, 4, 3).
+PREFILL_VARIANTS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (64, 128, 4, 3),
+                    (64, 64, 8, 3), (32, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
+                    (128, 128, 8, 2), (128, 32, 4, 3)]
 
 
 def bench_prefill(model, cfg, copy_bw, sweep, budget_s):

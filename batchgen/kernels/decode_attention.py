@@ -45,10 +45,9 @@ def _decode_split_kernel(
     qk_scale,  # softmax scale * log2(e)
     GROUP: tl.constexpr,  # G = Hq / Hk
     HEAD_DIM: tl.constexpr,  # D
-    BLOCK_G: tl.constexpr,  # next power of 2 >= G; with USE_DOT at least 16 (the smallest tl.dot)
+    BLOCK_G: tl.constexpr,  # next power of 2 >= G, at least 16 (the smallest tl.dot tile)
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D, at least 16
-    USE_DOT: tl.constexpr,  # q.k and p.v on the tensor cores, else as broadcast products and sums
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
 ):
     # The kv heads of one (sequence, split) run side by side: they read neighbouring bytes of
@@ -85,21 +84,14 @@ def _decode_split_kernel(
         kv_offs = slots[:, None] * cache_stride_s + kv_head * cache_stride_h + dims[None, :]
         kv_mask = col_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if USE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
-        else:
-            s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
         s = tl.where(col_mask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if USE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_D]
-        else:
-            pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     part = (seq * num_q_heads + heads) * num_splits + split  # row of [B * Hq * C]
@@ -172,7 +164,7 @@ def _pick_split_len(
 
 def _decode_attention_launch(
     q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale,
-    split_len, block_n, num_warps, num_stages, use_dot=True,
+    split_len, block_n, num_warps, num_stages,
 ):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -198,10 +190,9 @@ def _decode_attention_launch(
         scale * math.log2(math.e),
         GROUP=group,
         HEAD_DIM=head_dim,
-        BLOCK_G=max(triton.next_power_of_2(group), 16 if use_dot else 1),
+        BLOCK_G=max(triton.next_power_of_2(group), 16),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        USE_DOT=use_dot,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
@@ -227,12 +218,15 @@ def decode_attention_triton(
     max_kv_len: int,
     scale: float,
 ) -> torch.Tensor:
-    # Tuned on H100/H200 for 16-bit caches (see benchmarks/KERNELS.md); fp32 and head_dim > 128
-    # take smaller tiles.
-    if q.dtype == torch.float32 or q.shape[2] > 128:
+    # Tuned on an H200 for 16-bit caches (benchmarks/KERNELS.md); fp32 and head_dim > 128 take
+    # small tiles that fit anywhere.
+    head_dim = q.shape[2]
+    if q.dtype == torch.float32 or head_dim > 128:
         block_n, num_warps, num_stages = 32, 4, 1
+    elif head_dim <= 64:
+        block_n, num_warps, num_stages = 128, 4, 2
     else:
-        block_n, num_warps, num_stages = 64, 4, 2
+        block_n, num_warps, num_stages = 64, 4, 3
     sms = _num_sms(q.device) if q.is_cuda else 4
     split_len = _pick_split_len(q.shape[0], k_cache.shape[1], max_kv_len, block_n, sms)
     return _decode_attention_launch(

@@ -39,24 +39,13 @@ def test_decode_attention(device, assert_close, dtype, q_heads, kv_heads, head_d
     assert_close(decode_attention_triton(*args), decode_attention_ref(*args))
 
 
-@pytest.mark.parametrize("use_dot", [True, False])
 @pytest.mark.parametrize(
     "split_len,block_n,num_warps", [(16, 16, 1), (32, 16, 2), (64, 64, 4), (128, 32, 4)]
 )
-def test_decode_attention_splits(device, assert_close, split_len, block_n, num_warps, use_dot):
+def test_decode_attention_splits(device, assert_close, split_len, block_n, num_warps):
     batch = make_batch([(1, n) for n in CPU_KV_LENS], 8, 2, 32, torch.float32, device, seed=5)
     args = _args(batch, 97, 0.2)
-    out = _decode_attention_launch(*args, split_len, block_n, num_warps, 2, use_dot)
-    assert_close(out, decode_attention_ref(*args))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("q_heads,kv_heads,head_dim", HEADS)
-def test_decode_attention_without_dot(device, assert_close, dtype, q_heads, kv_heads, head_dim):
-    kv_lens = CPU_KV_LENS if device == "cpu" else _gpu_kv_lens()[:16]
-    batch = make_batch([(1, n) for n in kv_lens], q_heads, kv_heads, head_dim, dtype, device, seed=7)
-    args = _args(batch, max(kv_lens), head_dim**-0.5)
-    out = _decode_attention_launch(*args, 64, 32, 4, 2, False)
+    out = _decode_attention_launch(*args, split_len, block_n, num_warps, 2)
     assert_close(out, decode_attention_ref(*args))
 
 
