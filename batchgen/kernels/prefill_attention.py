@@ -144,8 +144,8 @@ def _prefill_attention_kernel(
 
 def _pick_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). 16-bit inputs with head_dim <= 128: the fastest
-    on an H200 for every prefill shape of llama-3.2-1b and llama-3.1-8b measured but one (within 8%
-    there; benchmarks/KERNELS.md). fp32 and head_dim > 128 take small tiles that fit anywhere."""
+    (or within 0.5%) on an H200 for every prefill shape of llama-3.2-1b and llama-3.1-8b measured
+    but one (within 8% there; benchmarks/KERNELS.md). fp32 and head_dim > 128 take small tiles."""
     if dtype == torch.float32 or head_dim > 128:
         return (64, 32, 4, 1) if head_dim <= 128 else (32, 32, 4, 1)
     return 64, 64, 4, 3
