@@ -1,6 +1,15 @@
-import pytest
+"""Shared fixtures. Without a GPU, Triton kernels are tested under its interpreter, which must be
+switched on before triton is first imported (by batchgen or the kernel tests)."""
+import os
 
-from tests.tiny_models import build
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tests.tiny_models import build  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -14,3 +23,8 @@ def tiny_model(tmp_path_factory):
         return built[kind]
 
     return get
+
+
+def pytest_runtest_setup(item):
+    if "gpu" in item.keywords and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 VOCAB = 384
+EOS = VOCAB - 1  # an id the tokenizer never produces; random weights emit it now and then
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "batch generation of text with a small language model",
@@ -32,17 +33,20 @@ def save_tokenizer(path: Path) -> None:
 
 
 def build(kind: str, path: Path) -> Path:
-    """kind: llama | llama3 (llama3 rope scaling, untied) | qwen2 | qwen3."""
+    """kind: llama | llama3 (llama3 rope scaling, untied) | mistral | qwen2 | qwen3 | llama-sharded
+    (llama saved in several safetensors files with an index)."""
     import transformers as tf
 
-    torch.manual_seed({"llama": 0, "llama3": 1, "qwen2": 2, "qwen3": 3}[kind])
+    torch.manual_seed({"llama": 0, "llama3": 1, "qwen2": 2, "qwen3": 3, "mistral": 4, "llama-sharded": 0}[kind])
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=None,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=EOS,
         bos_token_id=None, pad_token_id=None,
     )
-    if kind == "llama":
+    if kind in ("llama", "llama-sharded"):
         config = tf.LlamaConfig(**common, tie_word_embeddings=True)
+    elif kind == "mistral":
+        config = tf.MistralConfig(**common, tie_word_embeddings=False, sliding_window=256)
     elif kind == "llama3":
         config = tf.LlamaConfig(
             **common, tie_word_embeddings=False, rope_theta=500000.0,
@@ -60,7 +64,7 @@ def build(kind: str, path: Path) -> Path:
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", "bias")):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("weight") else 0.1 * torch.randn_like(p))
-    model.save_pretrained(path)
+    model.save_pretrained(path, max_shard_size="100KB" if kind == "llama-sharded" else "5GB")
     save_tokenizer(path)
     return path
 

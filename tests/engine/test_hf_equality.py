@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from tests.tiny_models import VOCAB, load_hf
+from tests.tiny_models import EOS, VOCAB, load_hf
 
-KINDS = ["llama", "llama3", "qwen2", "qwen3"]
+KINDS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 LENGTHS = [1, 3, 17, 40, 64, 29]
 MAX_TOKENS = 12
 
@@ -46,11 +46,12 @@ def hf_reference(tiny_model):
 def assert_matches_hf(results, refs):
     for result, (hf_tokens, margins) in zip(results, refs):
         ours = result["output_token_ids"]
-        assert len(ours) == MAX_TOKENS and result["finish_reason"] == "length"
-        for i, (a, b) in enumerate(zip(ours, hf_tokens)):
-            if a != b:
-                assert min(margins[: i + 1]) < 1e-3, f"token {i}: ours {ours} vs HF {hf_tokens}"
-                break
+        diverged = next((i for i, (a, b) in enumerate(zip(ours, hf_tokens)) if a != b), None)
+        if diverged is None:
+            assert ours == hf_tokens  # same tokens, and both stopped at EOS or both at max_tokens
+            assert result["finish_reason"] == ("stop" if ours[-1] == EOS else "length")
+        else:
+            assert min(margins[: diverged + 1]) < 1e-3, f"token {diverged}: ours {ours} vs HF {hf_tokens}"
 
 
 def run(model_dir, requests, **options):
@@ -81,7 +82,7 @@ def test_tiny_token_budget_chunks_prefill(kind, tiny_model, hf_reference):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_tiny_kv_pool_preempts(kind, tiny_model, hf_reference):
-    requests = [{"prompt_token_ids": p, "ignore_eos": False} for p in prompts()]
+    requests = [{"prompt_token_ids": p} for p in prompts()]
     results = run(tiny_model(kind), requests, kv_cache_tokens=90, max_num_seqs=8, max_num_batched_tokens=32)
     assert sum(r["num_preemptions"] for r in results) > 0
     assert_matches_hf(results, hf_reference(kind))
@@ -93,7 +94,7 @@ def test_logprobs_equal_hf_teacher_forced(kind, tiny_model):
     model = load_hf(tiny_model(kind))
     seqs = prompts()
     llm = LLM(str(tiny_model(kind)), dtype="float32", max_num_seqs=4, max_num_batched_tokens=9)
-    rows = [{"prompt_token_ids": p, "prompt_logprobs": True, "logprobs": True} for p in seqs]
+    rows = [{"prompt_token_ids": p, "prompt_logprobs": True, "logprobs": True, "ignore_eos": True} for p in seqs]
     for p, r in zip(seqs, llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=4))):
         full = p + r["output_token_ids"]
         with torch.no_grad():
@@ -102,3 +103,10 @@ def test_logprobs_equal_hf_teacher_forced(kind, tiny_model):
         assert len(r["prompt_logprobs"]) == len(p) - 1 and len(r["logprobs"]) == 4
         ours = torch.tensor(r["prompt_logprobs"] + r["logprobs"])
         torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tiny_model, hf_reference):
+    sharded = tiny_model("llama-sharded")
+    assert (sharded / "model.safetensors.index.json").exists() and len(list(sharded.glob("*.safetensors"))) > 1
+    requests = [{"prompt_token_ids": p} for p in prompts()]
+    assert_matches_hf(run(sharded, requests), hf_reference("llama"))

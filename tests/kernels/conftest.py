@@ -1,35 +1,14 @@
-"""Kernel tests run the Triton launchers on CUDA, or on CPU under the Triton interpreter.
-
-TRITON_INTERPRET is read when triton decorates a function (its own tl.* helpers included, at
-`import triton`), so it must be set before triton is imported. When other test folders imported
-batchgen (hence triton) first, triton and the kernel modules are dropped from sys.modules here and
-imported again by this folder's tests, now interpreted (the C extension cannot be loaded twice and
-stays). The engine's copies keep the compiled kernels, which CPU runs never call.
-"""
+"""Kernel tests run the Triton launchers on CUDA, or on CPU under the Triton interpreter (switched
+on by tests/conftest.py before triton is imported)."""
 import os
-import sys
 
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA and "TRITON_INTERPRET" not in os.environ:
-    os.environ["TRITON_INTERPRET"] = "1"
-    stale = [
-        n for n in sys.modules
-        if (n.split(".")[0] == "triton" and not n.startswith("triton._C"))  # the C extension stays
-        or n.startswith("batchgen.kernels.")
-    ]
-    for _name in stale:
-        del sys.modules[_name]
+import pytest
 
-import pytest  # noqa: E402
+HAS_CUDA = torch.cuda.is_available()
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def pytest_runtest_setup(item):
-    if "gpu" in item.keywords and not HAS_CUDA:
-        pytest.skip("needs a CUDA GPU")
 
 
 @pytest.fixture

@@ -1,0 +1,78 @@
+"""`batchgen` usage: help, bad options (one line, exit 2), `batchgen models`. No generation here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "prompts.jsonl"
+
+
+def batchgen(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("BATCHGEN_") or k == "BATCHGEN_CACHE"}
+    return subprocess.run([sys.executable, "-m", "batchgen.cli", *map(str, args)], capture_output=True, text=True,
+                          env={**base, **(env or {})}, cwd=REPO, timeout=300)
+
+
+def test_help_lists_the_options_and_their_environment_variables():
+    done = batchgen("run", "--help", env={"COLUMNS": "200"})
+    assert done.returncode == 0
+    for text in ("--model", "--dtype", "--device", "-tp", "--tensor-parallel-size", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--gpu-memory-utilization", "--max-model-len", "--kv-cache-tokens",
+                 "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--shard", "--resume",
+                 "--no-resume", "--strict", "BATCHGEN_MAX_TOKENS", "BATCHGEN_TENSOR_PARALLEL_SIZE"):
+        assert text in done.stdout, text
+    top = batchgen("--help")
+    assert top.returncode == 0 and "run" in top.stdout and "models" in top.stdout
+
+
+@pytest.mark.parametrize(
+    "args, env, fragment",
+    [
+        (["--temperature", "warm"], {}, "--temperature"),
+        (["--shard", "4/4"], {}, "--shard"),
+        (["--shard", "half"], {}, "I/N"),
+        (["--dtype", "float8"], {}, "--dtype"),
+        (["--device", "tpu"], {}, "--device"),
+        (["--bogus"], {}, "No such option: --bogus"),
+        (["--top-p", "0"], {}, "top_p must be in (0, 1]"),
+        (["--max-tokens", "0"], {}, "max_tokens must be >= 1"),
+        (["--max-num-seqs", "0"], {}, "--max-num-seqs"),
+        (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization"),
+        ([], {"BATCHGEN_MAX_TOKENS": "lots"}, "BATCHGEN_MAX_TOKENS"),
+        (["-tp", "2"], {}, "--tensor-parallel-size"),
+    ],
+)
+def test_bad_options_are_one_line_usage_errors(tmp_path, args, env, fragment):
+    done = batchgen("run", EXAMPLE, tmp_path / "out.parquet", *args, env=env)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("batchgen: error:") and fragment in lines[0], done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written: no output, no work directory
+
+
+@pytest.mark.parametrize("name, fragment", [("missing.jsonl", "is not a file"), ("prompts.csv", "*.jsonl or *.parquet")])
+def test_bad_inputs_are_usage_errors(tmp_path, name, fragment):
+    if name.endswith(".csv"):
+        (tmp_path / name).write_text("prompt\nhi\n")
+    done = batchgen("run", tmp_path / name, tmp_path / "out.parquet")
+    assert done.returncode == 2 and fragment in done.stderr
+
+
+def test_unreadable_parquet_is_a_one_line_failure(tmp_path):
+    (tmp_path / "in.parquet").write_bytes(b"PAR1 but not really")
+    done = batchgen("run", tmp_path / "in.parquet", tmp_path / "out.parquet")
+    assert done.returncode == 1 and done.stderr.strip().count("\n") == 0
+    assert "not a readable Parquet file" in done.stderr
+
+
+def test_models_names_the_default_model_and_its_cache(tmp_path):
+    done = batchgen("models", env={"BATCHGEN_CACHE": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr
+    assert "SmolLM2-135M-Instruct" in done.stdout and str(tmp_path / "cache") in done.stdout
+    assert "not converted yet" in done.stdout
