@@ -24,7 +24,7 @@ table = pa.table(
     {
         "id": pa.array(range(100, 100 + len(PROMPTS)), pa.int64()),
         "prompt": PROMPTS,
-        "max_tokens": pa.array([None, 24, None, 48, None, 12, 16, None], pa.int64()),
+        "max_tokens": pa.array([None, 8, None, 12, None, 6, 10, None], pa.int64()),
         "source": ["example"] * len(PROMPTS),
         "tags": pa.array([["geo"], ["food"], ["art"], ["story"], [], ["science"], ["code"], ["science"]]),
     }

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from batchgen.io.resume import JobError, WorkDir, output_fingerprint
 from batchgen.io.rows import RESERVED, ROW_KEY, RowChecker
 from batchgen.io.shard import Shard
-from batchgen.io.sinks import Layout, PartWriter, Totals, merge_parts
+from batchgen.io.sinks import Layout, PartWriter, Totals, list_parts, merge_parts
 from batchgen.io.sources import open_source
 
 
@@ -100,10 +100,11 @@ def run_job(
         return JobResult("already_complete", metadata=_stored_metadata(output))
 
     workdir.open(fingerprint, spec.resume)
+    finished_job = False
     try:
         if spec.resume and output_fingerprint(output) == fingerprint:
             # A run was stopped between renaming OUTPUT into place and removing its work directory.
-            workdir.remove()
+            finished_job = True
             return JobResult("already_complete", metadata=_stored_metadata(output))
         done = workdir.done_rows()
         rows_total = source.count_rows_where(lambda i: i in spec.shard)
@@ -177,9 +178,11 @@ def run_job(
 
         result = JobResult("complete", rows_total, rows_resumed, rows_this_run)
         result.totals = merge_parts(workdir.path, output, layout, metadata, should_stop=stop_event.is_set)
-        workdir.remove()
+        finished_job = True
         return result
     finally:
+        if finished_job or not list_parts(workdir.path):
+            workdir.remove()  # done, or stopped before any row was saved: nothing to resume
         workdir.close()
 
 
