@@ -91,9 +91,9 @@ class ModelRunner:
     def _profile_peak_bytes(self) -> int:
         """Run the largest step (a full token budget, logits for max_num_seqs rows) on a scratch pool
         and measure the activation memory it needs beyond the weights."""
-        tokens = self.max_num_batched_tokens
+        seqs = self.config.max_num_seqs  # budget >= max_num_seqs: one row of logits per sequence
+        tokens = min(self.max_num_batched_tokens, seqs * self.max_model_len)
         scratch = self._make_kv_cache(tokens)
-        seqs = min(self.config.max_num_seqs, tokens)
         lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
         lens = [n for n in lens if n > 0]
         torch.cuda.synchronize(self.device)
