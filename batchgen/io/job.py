@@ -109,9 +109,8 @@ def run_job(
         done = workdir.done_rows()
         rows_total = source.count_rows_where(lambda i: i in spec.shard)
         rows_resumed = int(done.sum())
-        progress.start(rows_total, rows_resumed)
-
         llm = make_llm()
+        progress.start(rows_total, rows_resumed)
         sink = PartWriter(workdir.path, layout, spec.flush_rows, spec.flush_seconds)
         checker = RowChecker()
 
