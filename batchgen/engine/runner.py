@@ -72,19 +72,24 @@ class ModelRunner:
         if cfg.kv_cache_tokens:
             return cfg.kv_cache_tokens
         per_token = KVCache.bytes_per_token(self.model_cfg.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        self._memory_note = ""
         if self.device.type == "cpu":
             budget = cfg.cpu_kv_cache_gb * 2**30
         else:
             peak = self._profile_peak_bytes()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * cfg.gpu_memory_utilization - (total - free) - peak
-            log.info("GPU memory: %.1f GiB total, %.1f GiB used, %.1f GiB activation peak, %.1f GiB for KV",
-                     total / 2**30, (total - free) / 2**30, peak / 2**30, max(budget, 0) / 2**30)
+            self._memory_note = (
+                f": {total / 2**30:.1f} GiB x {cfg.gpu_memory_utilization} minus {(total - free) / 2**30:.1f} GiB "
+                f"in use minus a {peak / 2**30:.1f} GiB activation peak"
+            )
+            log.info("KV cache budget %.1f GiB%s", budget / 2**30, self._memory_note)
         slots = min(int(budget // per_token), useful)
         if slots < self.max_model_len and slots < 16:
             raise ValueError(
-                f"no memory left for the KV cache ({slots} token slots); raise --gpu-memory-utilization, "
-                "lower --max-num-batched-tokens, or set --kv-cache-tokens"
+                f"no memory left for the KV cache ({slots} token slots from a budget of {budget / 2**30:.1f} GiB"
+                f"{self._memory_note}); raise --gpu-memory-utilization, lower --max-num-batched-tokens, "
+                "or set --kv-cache-tokens"
             )
         return slots
 
