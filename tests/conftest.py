@@ -1,5 +1,6 @@
 """Shared fixtures. Without a GPU, Triton kernels are tested under its interpreter, which must be
 switched on before triton is first imported (by batchgen or the kernel tests)."""
+import gc
 import os
 
 import torch
@@ -28,3 +29,12 @@ def tiny_model(tmp_path_factory):
 def pytest_runtest_setup(item):
     if "gpu" in item.keywords and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """Each LLM sizes its KV pool from the GPU's free memory: give back what earlier tests held."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
