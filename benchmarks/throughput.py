@@ -1,0 +1,140 @@
+"""Throughput on one GPU: BENCHMARKS.md's workloads through batchgen and, in the same run on the same
+GPU, HF transformers generate() (batches of 64 in input order, left padding, each batch run to its
+longest requested output, only requested tokens counted). Random weights at real shapes, built here
+with transformers and saved as bf16 safetensors. Prints one JSON line per measurement.
+
+    python benchmarks/throughput.py --model llama-3.2-1b --workload W-offline --hf-requests 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from batchgen import LLM, SamplingParams  # noqa: E402
+
+MODELS = {
+    "llama-3.2-1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                     tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072)),
+    "qwen2.5-0.5b": ("Qwen2Config", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                     num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                     max_position_embeddings=32768)),
+    "llama-3.1-8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                     tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=131072)),
+}
+# name: (requests, input range, output range)
+WORKLOADS = {
+    "W-offline": (256, (100, 1024), (100, 1024)),
+    "W-short": (2048, (32, 256), (16, 128)),
+    "W-long": (64, (4096, 8192), (64, 256)),
+    "W-decode1": (1, (128, 128), (1024, 1024)),
+}
+
+
+def build_model(name: str, root: Path) -> Path:
+    path = root / name
+    if (path / "config.json").exists():
+        return path
+    import transformers as tf
+
+    from tests.tiny_models import save_tokenizer
+
+    cls, shape = MODELS[name]
+    config = getattr(tf, cls)(**shape, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def make_requests(workload: str, vocab: int) -> list[dict]:
+    n, (in_lo, in_hi), (out_lo, out_hi) = WORKLOADS[workload]
+    rng = random.Random(0)
+    return [
+        {"id": i, "prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(in_lo, in_hi))],
+         "max_tokens": rng.randint(out_lo, out_hi)}
+        for i in range(n)
+    ]
+
+
+def run_batchgen(model_dir: Path, requests: list[dict], temperature: float) -> dict:
+    llm = LLM(str(model_dir), dtype="bfloat16")
+    params = SamplingParams(temperature=temperature, ignore_eos=True)
+    llm.generate_list(requests[:2], params)  # warm-up: kernels compiled, allocator primed
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    results = llm.generate_list(requests, params)
+    wall = time.perf_counter() - start
+    tokens = sum(r["completion_tokens"] for r in results)
+    assert tokens == sum(r["max_tokens"] for r in requests)
+    ttft = sorted(r["ttft_s"] for r in results)
+    del llm
+    torch.cuda.empty_cache()
+    return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "ttft_p50_s": ttft[len(ttft) // 2]}
+
+
+def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    tokens = 0
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        chunk = requests[i : i + batch_size]
+        width = max(len(r["prompt_token_ids"]) for r in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(chunk):  # left padding
+            n = len(r["prompt_token_ids"])
+            ids[j, width - n :] = torch.tensor(r["prompt_token_ids"])
+            mask[j, width - n :] = 1
+        longest = max(r["max_tokens"] for r in chunk)
+        with torch.no_grad():
+            model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=False, pad_token_id=0)
+        tokens += sum(r["max_tokens"] for r in chunk)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    del model
+    torch.cuda.empty_cache()
+    return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=list(MODELS), default="llama-3.2-1b")
+    ap.add_argument("--workload", choices=list(WORKLOADS), default="W-offline")
+    ap.add_argument("--hf-requests", type=int, default=0, help="run HF generate() on the first N requests")
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--models-dir", default="/tmp/batchgen-bench-models")
+    args = ap.parse_args()
+    model_dir = build_model(args.model, Path(args.models_dir))
+    requests = make_requests(args.workload, MODELS[args.model][1]["vocab_size"])
+    ours = run_batchgen(model_dir, requests, args.temperature)
+    line = {"workload": args.workload, "model": args.model, "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "requests": len(requests), "temperature": args.temperature,
+            "batchgen_tok_s": round(ours["tok_s"], 1), "batchgen_wall_s": round(ours["wall_s"], 2),
+            "batchgen_ttft_p50_s": round(ours["ttft_p50_s"], 3)}
+    if args.hf_requests:
+        hf = run_hf(model_dir, requests[: args.hf_requests])
+        line.update({"hf_requests": args.hf_requests, "hf_generate_tok_s": round(hf["tok_s"], 1),
+                     "hf_wall_s": round(hf["wall_s"], 2), "ratio": round(ours["tok_s"] / hf["tok_s"], 2)})
+    print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
