@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from enum import Enum
 from pathlib import Path
 from typing import List, Optional
@@ -55,6 +56,7 @@ app = BatchgenApp(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -180,6 +182,7 @@ def run(
     finish_reason "error" and an error message; the job goes on. Every option also reads the
     environment variable shown.
     """
+    started = time.monotonic()
     from batchgen.io import InputError, JobError, JobSpec, Shard, run_job
     from batchgen.io.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES
 
@@ -234,7 +237,7 @@ def run(
     try:
         with _Signals(stop_event) as signals:
             result = run_job(spec, make_llm, sampling, stop_event, make_progress(console, log_every),
-                             on_generation=signals.on_generation)
+                             on_generation=signals.on_generation, started=started)
     except _BadSetting as e:
         raise _fail(str(e), EXIT_USAGE) from None
     except (JobError, InputError) as e:

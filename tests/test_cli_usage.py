@@ -3,23 +3,42 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from batchgen.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "prompts.jsonl"
 
 
-def batchgen(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("BATCHGEN_") or k == "BATCHGEN_CACHE"}
-    return subprocess.run([sys.executable, "-m", "batchgen.cli", *map(str, args)], capture_output=True, text=True,
-                          env={**base, **(env or {})}, cwd=REPO, timeout=300)
+class Done:
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
-def test_help_lists_the_options_and_their_environment_variables():
+@pytest.fixture
+def batchgen(capsys, monkeypatch):
+    """Runs the `batchgen` entry point in this process (imports are paid once) -> Done."""
+    for key in list(os.environ):
+        if key.startswith("BATCHGEN_") and key != "BATCHGEN_CACHE":
+            monkeypatch.delenv(key)
+
+    def call(*args, env: dict | None = None) -> Done:
+        with monkeypatch.context() as m:
+            for key, value in (env or {}).items():
+                m.setenv(key, value)
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exit_info:
+                app([str(a) for a in args])
+            out = capsys.readouterr()
+        return Done(exit_info.value.code, out.out, out.err)
+
+    return call
+
+
+def test_help_lists_the_options_and_their_environment_variables(batchgen):
     done = batchgen("run", "--help", env={"COLUMNS": "200"})
     assert done.returncode == 0
     for text in ("--model", "--dtype", "--device", "-tp", "--tensor-parallel-size", "--max-num-seqs",
@@ -48,7 +67,7 @@ def test_help_lists_the_options_and_their_environment_variables():
         (["-tp", "2"], {}, "--tensor-parallel-size"),
     ],
 )
-def test_bad_options_are_one_line_usage_errors(tmp_path, args, env, fragment):
+def test_bad_options_are_one_line_usage_errors(batchgen, tmp_path, args, env, fragment):
     done = batchgen("run", EXAMPLE, tmp_path / "out.parquet", *args, env=env)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
@@ -57,21 +76,21 @@ def test_bad_options_are_one_line_usage_errors(tmp_path, args, env, fragment):
 
 
 @pytest.mark.parametrize("name, fragment", [("missing.jsonl", "is not a file"), ("prompts.csv", "*.jsonl or *.parquet")])
-def test_bad_inputs_are_usage_errors(tmp_path, name, fragment):
+def test_bad_inputs_are_usage_errors(batchgen, tmp_path, name, fragment):
     if name.endswith(".csv"):
         (tmp_path / name).write_text("prompt\nhi\n")
     done = batchgen("run", tmp_path / name, tmp_path / "out.parquet")
     assert done.returncode == 2 and fragment in done.stderr
 
 
-def test_unreadable_parquet_is_a_one_line_failure(tmp_path):
+def test_unreadable_parquet_is_a_one_line_failure(batchgen, tmp_path):
     (tmp_path / "in.parquet").write_bytes(b"PAR1 but not really")
     done = batchgen("run", tmp_path / "in.parquet", tmp_path / "out.parquet")
     assert done.returncode == 1 and done.stderr.strip().count("\n") == 0
     assert "not a readable Parquet file" in done.stderr
 
 
-def test_models_names_the_default_model_and_its_cache(tmp_path):
+def test_models_names_the_default_model_and_its_cache(batchgen, tmp_path):
     done = batchgen("models", env={"BATCHGEN_CACHE": str(tmp_path / "cache")})
     assert done.returncode == 0, done.stderr
     assert "SmolLM2-135M-Instruct" in done.stdout and str(tmp_path / "cache") in done.stdout

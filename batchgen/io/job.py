@@ -77,13 +77,15 @@ def run_job(
     stop_event: threading.Event,
     progress: Progress | None = None,
     on_generation: Callable[[bool], None] = lambda active: None,
+    started: float | None = None,
 ) -> JobResult:
     """Runs the job; JobError (and sources.InputError) for a job that cannot start.
 
     `on_generation(True)` is called when the engine starts pulling rows and `on_generation(False)`
     when it stops: the CLI's signal handler sets `stop_event` in between and interrupts otherwise.
+    `started` (time.monotonic()) is when the command started, for `wall_seconds`.
     """
-    started = time.monotonic()
+    started = time.monotonic() if started is None else started
     progress = progress or NoProgress()
     source = open_source(spec.input)
     layout = Layout(source.schema)
@@ -134,8 +136,8 @@ def run_job(
                 finished(_output_row(result))
         finally:
             on_generation(False)
-            sink.flush()  # whatever happened, finished rows are kept
             progress.stop()
+            sink.flush()  # whatever happened, finished rows are kept
         rows_this_run = sink.rows_written
         if stop_event.is_set():
             return JobResult("interrupted", rows_total, rows_resumed, rows_this_run)
