@@ -1,8 +1,8 @@
 """A file job: input file -> checks -> engine -> part files -> OUTPUT, resumable and interruptible.
 
-The engine pulls requests lazily from `requests()` in `run_job`, so the input streams through in bounded memory:
-rows are read, checked and handed over only as the engine has room. Rows that fail the checks, rows
-of other shards and rows that an earlier run finished never reach the engine.
+The engine pulls requests lazily from `requests()` in `run_job`, so the input streams through in
+bounded memory: rows are read, checked and handed over only as the engine has room. Rows that fail
+the checks, rows of other shards and rows that an earlier run finished never reach the engine.
 """
 
 from __future__ import annotations
