@@ -181,7 +181,7 @@ class Layout:
                 order.setdefault(f.name)
                 widen = _widen_id if f.name == "id" else _widen
                 kinds[f.name] = widen(kinds.get(f.name), _field_kind(f))
-        fields = [pa.field("id", KIND_TYPES[kinds.get("id") or "int"], metadata={KIND_KEY: (kinds.get("id") or "int").encode()})]
+        fields = [_kind_field("id", kinds.get("id") or "int")]
         fields += [_kind_field(n, kinds[n] or "str") for n in order if n != "id"]
         fields += [pa.field(n, t) for n, t in OUTPUT_TYPES.items()]
         return pa.schema(fields)
