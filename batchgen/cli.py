@@ -194,6 +194,8 @@ def run(
         raise typer.BadParameter(f"{str(input)!r} is not a file", param_hint="'INPUT'")
     if input.suffix.lower() not in (*JSONL_SUFFIXES, *PARQUET_SUFFIXES):
         raise typer.BadParameter(f"{str(input)!r}: name it *.jsonl or *.parquet", param_hint="'INPUT'")
+    if output.resolve() == input.resolve():
+        raise typer.BadParameter("OUTPUT would overwrite INPUT", param_hint="'OUTPUT'")
 
     from batchgen import LLM, EngineConfig, SamplingParams
 

@@ -83,6 +83,11 @@ def test_bad_inputs_are_usage_errors(batchgen, tmp_path, name, fragment):
     assert done.returncode == 2 and fragment in done.stderr
 
 
+def test_output_may_not_overwrite_the_input(batchgen):
+    done = batchgen("run", EXAMPLE, EXAMPLE)
+    assert done.returncode == 2 and "OUTPUT would overwrite INPUT" in done.stderr
+
+
 def test_unreadable_parquet_is_a_one_line_failure(batchgen, tmp_path):
     (tmp_path / "in.parquet").write_bytes(b"PAR1 but not really")
     done = batchgen("run", tmp_path / "in.parquet", tmp_path / "out.parquet")
