@@ -20,6 +20,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     kv_cache_tokens: int | None = None  # KV pool size in tokens; None: from the memory budget
     cpu_kv_cache_gb: float = 4.0  # KV pool byte budget on CPU
+    cuda_graphs: bool = True  # replay captured graphs for decode-only steps on CUDA
     seed: int = 0  # job seed: rows without their own seed get one derived from (seed, id)
     trust_remote_code: bool = False  # only for tokenizers; batchgen never runs a checkpoint's model code
 

@@ -29,7 +29,7 @@ from triton.testing import do_bench
 from batchgen.kernels.decode_attention import (
     _decode_attention_launch,
     _num_sms,
-    _pick_split_len,
+    _pick_num_splits,
     decode_attention_ref,
     decode_attention_triton,
 )
@@ -207,9 +207,9 @@ def bench_decode(model, cfg, copy_bw, sweep, budget_s):
             for per_sm, block_n, warps, stages in DECODE_VARIANTS:
                 if time.time() - START > budget_s:
                     break
-                split_len = _pick_split_len(batch, hk, kv_len, block_n, _num_sms(q.device) * per_sm // 2)
-                variant = f"per_sm={per_sm} S={split_len} N={block_n} w={warps} s={stages}"
-                fn = lambda: _decode_attention_launch(*args, split_len, block_n, warps, stages)  # noqa: E731
+                splits = _pick_num_splits(batch, hk, kv_len, block_n, _num_sms(q.device) * per_sm // 2)
+                variant = f"per_sm={per_sm} C={splits} N={block_n} w={warps} s={stages}"
+                fn = lambda: _decode_attention_launch(*args, splits, block_n, warps, stages)  # noqa: E731
                 if check_variant("decode_attention", model, shape, variant, fn, expected):
                     measure("decode_attention", model, shape, nbytes, {"triton": fn}, copy_bw, variant=variant)
         del k_cache, v_cache, k_dense, v_dense

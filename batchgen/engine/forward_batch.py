@@ -16,6 +16,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, position of each token in its sequence
     out_slots: torch.Tensor  # [T] int64, KV pool slot where each token's K/V is stored
+    token_rows: torch.Tensor  # [T] int32, req_to_token row of each token's sequence
     req_to_token: torch.Tensor  # [max_num_seqs, max_model_len] int32, (row, position) -> slot
     num_decode: int
     decode_rows: torch.Tensor  # [D] int32, req_to_token row of each decode sequence

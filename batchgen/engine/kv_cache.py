@@ -16,10 +16,14 @@ class KVCache:
         max_model_len: int, dtype: torch.dtype, device: torch.device,
     ):
         self.num_slots = num_slots
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        # One more slot and one more row than are ever handed out: padding entries of a CUDA-graph
+        # batch write their K/V there and attend to it, harming no real request.
+        self.pad_slot, self.pad_row = num_slots, max_num_seqs
+        shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.req_to_token = torch.zeros((max_num_seqs, max_model_len), dtype=torch.int32, device=device)
+        self.req_to_token = torch.zeros((max_num_seqs + 1, max_model_len), dtype=torch.int32, device=device)
+        self.req_to_token[self.pad_row, 0] = self.pad_slot
         # free slots are free_slots[:num_free]; allocation pops from the end
         self.free_slots = torch.arange(num_slots, dtype=torch.int64).flip(0).contiguous()
         self.num_free = num_slots

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from batchgen.config import EngineConfig
+from batchgen.engine.cuda_graphs import DecodeGraphs
 from batchgen.engine.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVCache
 from batchgen.engine.parallel import SINGLE, TensorParallel
@@ -53,8 +54,12 @@ class ModelRunner:
         self.model = build_model(model_cfg, model_dir, self.dtype, self.device, self.max_model_len, tp)
         attn = self.model.attention_layers()[0]
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.kv = self._make_kv_cache(self._num_kv_slots())
         self.pin = self.device.type == "cuda"
+        self.kv = self._make_kv_cache(self._num_kv_slots())
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(self.forward, self.kv, config.max_num_seqs, self.device)
 
     # ---- KV pool -------------------------------------------------------------------------------
     def _make_kv_cache(self, num_slots: int) -> KVCache:
@@ -109,6 +114,7 @@ class ModelRunner:
             input_ids=torch.zeros(tokens, dtype=torch.int64, device=self.device),
             positions=torch.cat([torch.arange(n) for n in lens]).to(self.device),
             out_slots=torch.arange(tokens, device=self.device),
+            token_rows=torch.cat([torch.full((n,), row) for row, n in enumerate(lens)]).to(self.device),
             req_to_token=scratch.req_to_token,
             num_decode=0,
             decode_rows=torch.zeros(0, dtype=torch.int32, device=self.device),
@@ -121,15 +127,12 @@ class ModelRunner:
             prefill_max_q_len=max(lens),
             logits_indices=(starts + torch.tensor(lens) - 1).to(self.device),
         )
-        for row, (start, n) in enumerate(zip(starts.tolist(), lens)):
-            scratch.req_to_token[row, :n] = torch.arange(start, start + n, device=self.device)
         with torch.inference_mode():
-            hidden = self.model(batch)
-            logits = self.model.compute_logits(hidden.expand(self.config.max_num_seqs, -1))
+            logits = self.forward(batch)  # one row per sequence: max_num_seqs rows
             sample(logits, self._profile_sampling(logits.shape[0]))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        del scratch, batch, hidden, logits
+        del scratch, batch, logits
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
         torch.cuda.empty_cache()
@@ -148,6 +151,14 @@ class ModelRunner:
         t = torch.tensor(values, dtype=dtype, pin_memory=self.pin)
         return t.to(self.device, non_blocking=True)
 
+    def _stage(self, arrays: list, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Several host int arrays to the device in one copy (through pinned memory on CUDA)."""
+        sizes = [len(a) for a in arrays]
+        host = torch.cat([a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=dtype) for a in arrays])
+        if self.pin:
+            host = host.to(dtype).pin_memory()
+        return list(host.to(self.device, dtype=dtype, non_blocking=True).split(sizes))
+
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence], list]:
         """-> the ForwardBatch, the sequences that sample a token this step (in logits order), and the
         prompt tokens scored for prompt_logprobs as (sequence, count, target ids); their logits
@@ -156,11 +167,16 @@ class ModelRunner:
         scored, score_indices = [], []
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new):
             first = len(input_ids)
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            token_rows.extend([seq.row] * n)
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                token_rows.append(seq.row)
+            else:
+                input_ids.extend(seq.token_ids[start : start + n])
+                positions.extend(range(start, start + n))
+                token_rows.extend([seq.row] * n)
             if start + n == seq.num_tokens:  # the chunk reaches the end: sample the next token
-                logits_indices.append(len(input_ids) - 1)
+                logits_indices.append(first + n - 1)
                 samplers.append(seq)
             if seq.prompt_logprobs is not None:
                 # position p predicts prompt token p + 1; recomputation after preemption skips known ones
@@ -170,32 +186,41 @@ class ModelRunner:
                     scored.append((seq, hi - lo, seq.token_ids[lo + 1 : hi + 1]))
         logits_indices += score_indices
         nd = batch.num_decode
-        decode, prefill = range(nd), range(nd, len(batch.seqs))
+        rows = [s.row for s in batch.seqs]
+        kv_lens = [start + n for start, n in zip(batch.starts, batch.num_new)]
         q_start, offset = [], 0
-        for i in prefill:
+        for n in batch.num_new[nd:]:
             q_start.append(offset)
-            offset += batch.num_new[i]
-        positions_t = self._tensor(positions, torch.int64)
-        out_slots = torch.cat(batch.slots).to(self.device, non_blocking=True)
-        self.kv.req_to_token[self._tensor(token_rows, torch.int64), positions_t] = out_slots.to(torch.int32)
-        i32 = torch.int32
+            offset += n
+        ids_t, pos_t, slots_t, logits_t = self._stage(
+            [input_ids, positions, torch.cat(batch.slots), logits_indices], torch.int64
+        )
+        token_rows_t, rows_t, kv_lens_t, q_start_t, q_lens_t = self._stage(
+            [token_rows, rows, kv_lens, q_start, batch.num_new[nd:]], torch.int32
+        )
         fb = ForwardBatch(
-            input_ids=self._tensor(input_ids, torch.int64),
-            positions=positions_t,
-            out_slots=out_slots,
+            input_ids=ids_t,
+            positions=pos_t,
+            out_slots=slots_t,
+            token_rows=token_rows_t,
             req_to_token=self.kv.req_to_token,
             num_decode=nd,
-            decode_rows=self._tensor([batch.seqs[i].row for i in decode], i32),
-            decode_kv_lens=self._tensor([batch.starts[i] + 1 for i in decode], i32),
-            decode_max_kv_len=max((batch.starts[i] + 1 for i in decode), default=0),
-            prefill_rows=self._tensor([batch.seqs[i].row for i in prefill], i32),
-            prefill_q_start=self._tensor(q_start, i32),
-            prefill_q_lens=self._tensor([batch.num_new[i] for i in prefill], i32),
-            prefill_kv_lens=self._tensor([batch.starts[i] + batch.num_new[i] for i in prefill], i32),
-            prefill_max_q_len=max((batch.num_new[i] for i in prefill), default=0),
-            logits_indices=self._tensor(logits_indices, torch.int64),
+            decode_rows=rows_t[:nd],
+            decode_kv_lens=kv_lens_t[:nd],
+            decode_max_kv_len=max(kv_lens[:nd], default=0),
+            prefill_rows=rows_t[nd:],
+            prefill_q_start=q_start_t,
+            prefill_q_lens=q_lens_t,
+            prefill_kv_lens=kv_lens_t[nd:],
+            prefill_max_q_len=max(batch.num_new[nd:], default=0),
+            logits_indices=logits_t,
         )
         return fb, samplers, scored
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Record the new tokens' slots in the token table, run the model -> logits [S, V] fp32."""
+        fb.req_to_token[fb.token_rows.long(), fb.positions] = fb.out_slots.to(torch.int32)
+        return self.model.compute_logits(self.model(fb))
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         vocab = self.model_cfg.vocab_size
@@ -205,16 +230,18 @@ class ModelRunner:
             if s.num_generated < s.params.min_tokens:
                 banned_rows.extend([i] * len(s.stop_ids))
                 banned_ids.extend(s.stop_ids)
+        banned = self._stage([banned_rows, banned_ids], torch.int64) if banned_rows else (None, None)
+        if all(p.greedy for p in params):  # argmax only: no per-row parameters needed
+            return SamplingBatch(None, None, None, None, None, True, False, *banned)
+        top_ks, seeds, steps = self._stage(
+            [[p.top_k if p.top_k > 0 else vocab for p in params], [p.seed or 0 for p in params],
+             [s.num_generated for s in seqs]], torch.int64,
+        )
+        temperatures, top_ps = self._stage([[p.temperature for p in params], [p.top_p for p in params]], torch.float32)
         return SamplingBatch(
-            temperatures=self._tensor([p.temperature for p in params], torch.float32),
-            top_ks=self._tensor([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
-            top_ps=self._tensor([p.top_p for p in params], torch.float32),
-            seeds=self._tensor([p.seed or 0 for p in params], torch.int64),
-            steps=self._tensor([s.num_generated for s in seqs], torch.int64),
-            all_greedy=all(p.greedy for p in params),
+            temperatures=temperatures, top_ks=top_ks, top_ps=top_ps, seeds=seeds, steps=steps, all_greedy=False,
             use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-            banned_rows=self._tensor(banned_rows, torch.int64) if banned_rows else None,
-            banned_ids=self._tensor(banned_ids, torch.int64) if banned_rows else None,
+            banned_rows=banned[0], banned_ids=banned[1],
         )
 
     @torch.inference_mode()
@@ -222,10 +249,12 @@ class ModelRunner:
         """Run one batch; -> the sequences that sampled and their new tokens. Log-probabilities
         asked for are appended to the sequences' lists."""
         fb, samplers, scored = self.prepare(batch)
-        hidden = self.model(fb)
-        if fb.logits_indices.numel() == 0:
+        if self.graphs is not None and not scored and self.graphs.can_run(fb):
+            logits = self.graphs.run(fb)
+        else:
+            logits = self.forward(fb)
+        if logits.shape[0] == 0:
             return [], []
-        logits = self.model.compute_logits(hidden)
         num_sampled = len(samplers)
         if scored:
             targets = self._tensor([t for _, _, ids in scored for t in ids], torch.int64)

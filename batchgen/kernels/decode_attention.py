@@ -4,18 +4,19 @@ token's own K/V is already stored). GQA: query head h reads KV head h // (Hq / H
 
     o_i = softmax(q_i K_i^T * scale) V_i
 
-The Triton version is flash-decoding in two launches.
-Stage 1: program (kv head, c, i) takes split c = [c * S, (c + 1) * S) of sequence i's context and
+The Triton version is flash-decoding in two launches. Each sequence's context is cut into at most C
+splits of S_i = ceil(kv_lens[i] / C) keys (rounded up to BLOCK_N), S_i computed on the device.
+Stage 1: program (kv head, c, i) takes split c = [c * S_i, (c + 1) * S_i) of sequence i's context and
 all G = Hq / Hk query heads of the kv head at once (one [G, BLOCK_N] tile per step, so the keys
 and values are read once per group), and writes for each query head, with s = q.k * scale * log2(e),
     lse_c = m_c + log2(sum_{p in c} 2^(s_p - m_c)),   o_c = sum_{p in c} 2^(s_p - lse_c) v_p
 (m_c: max of s over the split). Splits that start past kv_lens[i] write nothing.
-Stage 2: program (i, q head) merges the C_i = ceil(kv_lens[i] / S) splits of the sequence:
+Stage 2: program (i, q head) merges the C_i = ceil(kv_lens[i] / S_i) splits of the sequence:
     o = sum_c 2^(lse_c - lse) o_c,   lse = log2(sum_c 2^lse_c)
 A sequence with kv_lens[i] == 0 gets o = 0 (the reference gives NaN).
-The grid and S come from host ints only (B, Hk, max_kv_len, the SM count): no host sync, and a CUDA
-graph captured with max_kv_len = the table width serves any lengths up to it (splits past kv_lens[i]
-return at once; S then stays sized for max_kv_len, so short contexts get fewer programs).
+The grid (Hk, C, B) comes from host ints only (C from B, Hk, the SM count and max_kv_len): no host
+sync, and since the split length follows each sequence's own length, a CUDA graph captured with
+max_kv_len = the table width spreads short and long contexts alike over its C splits.
 """
 import math
 
@@ -40,8 +41,7 @@ def _decode_split_kernel(
     part_o_ptr,  # [B, Hq, C, D] fp32 o_c of each split (contiguous)
     part_lse_ptr,  # [B, Hq, C] fp32 lse_c of each split (contiguous)
     num_q_heads,  # Hq
-    num_splits,  # C
-    split_len,  # S, a multiple of BLOCK_N
+    num_splits,  # C, the most splits of one sequence
     qk_scale,  # softmax scale * log2(e)
     GROUP: tl.constexpr,  # G = Hq / Hk
     HEAD_DIM: tl.constexpr,  # D
@@ -56,6 +56,7 @@ def _decode_split_kernel(
     split = tl.program_id(1).to(tl.int64)
     seq = tl.program_id(2).to(tl.int64)
     kv_len = tl.load(kv_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N  # S_i
     split_start = split * split_len
     if split_start >= kv_len:
         return
@@ -113,14 +114,15 @@ def _decode_merge_kernel(
     out_stride_h,  # elements between two heads of out
     num_q_heads,  # Hq
     num_splits,  # C
-    split_len,  # S
     HEAD_DIM: tl.constexpr,  # D
+    BLOCK_N: tl.constexpr,  # keys per step of stage 1 (S_i is a multiple of it)
     BLOCK_D: tl.constexpr,  # next power of 2 >= D
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     kv_len = tl.load(kv_lens_ptr + seq)
-    used_splits = (kv_len + split_len - 1) // split_len
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    used_splits = tl.cdiv(kv_len, split_len)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     part = (seq * num_q_heads + head) * num_splits  # first split of this (sequence, head)
@@ -152,30 +154,25 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[index]
 
 
-def _pick_split_len(
-    num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, sms: int
-) -> int:
-    """Fewest splits that give about 2 programs per SM: S = max_kv_len / splits, rounded up to a
-    multiple of BLOCK_N."""
+def _pick_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, sms: int) -> int:
+    """Fewest splits that give about 2 programs per SM, and no more than max_kv_len has blocks."""
     splits = min(triton.cdiv(2 * sms, num_seqs * num_kv_heads), triton.cdiv(max_kv_len, block_n))
-    splits = max(splits, 1)
-    return max(triton.cdiv(triton.cdiv(max_kv_len, splits), block_n), 1) * block_n
+    return max(splits, 1)
 
 
 def _decode_attention_launch(
     q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale,
-    split_len, block_n, num_warps, num_stages,
+    num_splits, block_n, num_warps, num_stages,
 ):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     assert num_q_heads == group * num_kv_heads and k_cache.shape[2] == head_dim
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
-    assert req_to_token.stride(1) == 1 and split_len % block_n == 0
+    assert req_to_token.stride(1) == 1 and num_splits >= 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
-    num_splits = max(triton.cdiv(max_kv_len, split_len), 1)
     f32 = dict(dtype=torch.float32, device=q.device)
     part_o = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), **f32)
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), **f32)
@@ -186,7 +183,7 @@ def _decode_attention_launch(
         req_to_token, req_to_token.stride(0),
         req_rows, kv_lens,
         part_o, part_lse,
-        num_q_heads, num_splits, split_len,
+        num_q_heads, num_splits,
         scale * math.log2(math.e),
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -200,8 +197,9 @@ def _decode_attention_launch(
     _decode_merge_kernel[(num_seqs, num_q_heads)](
         part_o, part_lse, kv_lens,
         out, out.stride(0), out.stride(1),
-        num_q_heads, num_splits, split_len,
+        num_q_heads, num_splits,
         HEAD_DIM=head_dim,
+        BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=1 if block_d <= 64 else 2,
     )
@@ -228,10 +226,10 @@ def decode_attention_triton(
     else:
         block_n, num_warps, num_stages = 64, 4, 3
     sms = _num_sms(q.device) if q.is_cuda else 4
-    split_len = _pick_split_len(q.shape[0], k_cache.shape[1], max_kv_len, block_n, sms)
+    num_splits = _pick_num_splits(q.shape[0], k_cache.shape[1], max_kv_len, block_n, sms)
     return _decode_attention_launch(
         q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale,
-        split_len, block_n, num_warps, num_stages,
+        num_splits, block_n, num_warps, num_stages,
     )
 
 

@@ -44,11 +44,11 @@ def mask_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.T
 
 @dataclass
 class SamplingBatch:
-    temperatures: torch.Tensor  # [S] fp32, 0 = greedy
-    top_ks: torch.Tensor  # [S] int64, vocab size when off
-    top_ps: torch.Tensor  # [S] fp32
-    seeds: torch.Tensor  # [S] int64
-    steps: torch.Tensor  # [S] int64, tokens generated so far
+    temperatures: torch.Tensor | None  # [S] fp32, 0 = greedy (None: all greedy)
+    top_ks: torch.Tensor | None  # [S] int64, vocab size when off
+    top_ps: torch.Tensor | None  # [S] fp32
+    seeds: torch.Tensor | None  # [S] int64
+    steps: torch.Tensor | None  # [S] int64, tokens generated so far
     all_greedy: bool
     use_top_k_top_p: bool
     banned_rows: torch.Tensor | None = None  # (rows, token ids) masked to -inf: EOS before min_tokens

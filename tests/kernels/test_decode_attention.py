@@ -40,12 +40,12 @@ def test_decode_attention(device, assert_close, dtype, q_heads, kv_heads, head_d
 
 
 @pytest.mark.parametrize(
-    "split_len,block_n,num_warps", [(16, 16, 1), (32, 16, 2), (64, 64, 4), (128, 32, 4)]
+    "num_splits,block_n,num_warps", [(1, 16, 1), (3, 16, 2), (2, 64, 4), (7, 32, 4), (40, 16, 1)]
 )
-def test_decode_attention_splits(device, assert_close, split_len, block_n, num_warps):
+def test_decode_attention_splits(device, assert_close, num_splits, block_n, num_warps):
     batch = make_batch([(1, n) for n in CPU_KV_LENS], 8, 2, 32, torch.float32, device, seed=5)
     args = _args(batch, 97, 0.2)
-    out = _decode_attention_launch(*args, split_len, block_n, num_warps, 2)
+    out = _decode_attention_launch(*args, num_splits, block_n, num_warps, 2)
     assert_close(out, decode_attention_ref(*args))
 
 
