@@ -70,7 +70,7 @@ class LLM:
                 for seq in engine.step():
                     last_result = time.monotonic()
                     prompt_tokens += seq.num_prompt
-                    output_tokens += seq.num_generated
+                    output_tokens += len(seq.output_ids)
                     yield result_row(seq)
         finally:
             engine.abort_all()  # a stop, an error, or a consumer that quit early: free every slot

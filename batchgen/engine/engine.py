@@ -9,8 +9,8 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from batchgen.config import EngineConfig
-from batchgen.engine.request import KNOWN_FIELDS, Sequence, make_sequence
-from batchgen.engine.runner import ModelRunner
+from batchgen.engine.request import KNOWN_FIELDS, Sequence, Status, make_sequence
+from batchgen.engine.runner import ModelRunner, StepOutput
 from batchgen.engine.scheduler import Scheduler
 from batchgen.models.model_config import load_model_config
 from batchgen.models.resolve import resolve_model_dir
@@ -35,6 +35,7 @@ class LLMEngine:
         self.eos_ids = self.model_cfg.eos_token_ids or (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
+        self.in_flight: StepOutput | None = None  # the launched step not yet read back
         log.info("engine ready: %s", self.describe())
 
     def describe(self) -> dict:
@@ -62,21 +63,36 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None
 
     def step(self) -> list[Sequence]:
-        """Schedule and run one batch; -> the sequences that finished in it."""
+        """Schedule and launch one batch, then read back the previous one while the device runs
+        this one; -> the sequences that finished in the previous batch."""
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        now = time.monotonic()
-        for seq in batch.seqs:
-            if seq.first_scheduled is None:
-                seq.first_scheduled = now
-        seqs, tokens = self.runner.step(batch)
+        launched = None
+        if batch is not None:
+            now = time.monotonic()
+            for seq in batch.seqs:
+                if seq.first_scheduled is None:
+                    seq.first_scheduled = now
+            launched = self.runner.launch(batch, self.in_flight)
+        finished = self._read_back(self.in_flight) if self.in_flight is not None else []
+        self.in_flight = launched
+        return finished
+
+    def _read_back(self, step: StepOutput) -> list[Sequence]:
+        tokens, token_logprobs, prompt_logprobs = step.read()
+        for seq, count in step.scored:
+            seq.prompt_logprobs.extend(prompt_logprobs[:count])
+            prompt_logprobs = prompt_logprobs[count:]
+        for i, value in zip(step.wanting, token_logprobs):
+            step.samplers[i].logprobs.append(value)
         now = time.monotonic()
         finished = []
-        for seq, token in zip(seqs, tokens):
+        for seq, token in zip(step.samplers, tokens):
+            seq.num_pending -= 1
+            if seq.status is Status.FINISHED:  # its last token is known already: this one is surplus
+                continue
             seq.token_ids.append(token)
             if seq.first_token is None:
                 seq.first_token = now
@@ -90,20 +106,21 @@ class LLMEngine:
         for seq in list(self.scheduler.running):
             self.scheduler.finish(seq)
         self.scheduler.waiting.clear()
+        self.in_flight = None
 
     def _check_finished(self, seq: Sequence, token: int) -> bool:
         params = seq.params
-        if token in seq.stop_ids and seq.num_generated > params.min_tokens - 1:
+        if token in seq.stop_ids and len(seq.output_ids) >= params.min_tokens:
             seq.finish_reason = "stop"
             seq.text = self.decode(seq.output_ids[:-1])
             return True
         if params.stop:
             text = self.decode(seq.output_ids)
             cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0 and seq.num_generated >= params.min_tokens:
+            if cut >= 0 and len(seq.output_ids) >= params.min_tokens:
                 seq.finish_reason, seq.text = "stop", text[:cut]
                 return True
-        if seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_request_len:
+        if len(seq.output_ids) >= params.max_tokens:
             seq.finish_reason = "length"
             seq.text = self.decode(seq.output_ids)
             return True

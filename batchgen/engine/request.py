@@ -105,8 +105,10 @@ class Status(Enum):
 
 
 class Sequence:
-    """One request in the engine. token_ids = prompt + generated; the KV of token_ids[:num_computed]
-    is in the pool at req_to_token[row, :num_computed]."""
+    """One request in the engine. token_ids = prompt + generated tokens known on the host; behind
+    them come num_pending tokens sampled by steps still in flight on the device (the engine runs
+    one step ahead of reading results). The KV of the first num_computed tokens is in the pool at
+    req_to_token[row, :num_computed]."""
 
     def __init__(self, request_id, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int],
                  extras: dict, arrival: float):
@@ -118,6 +120,9 @@ class Sequence:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.status = Status.WAITING
         self.num_computed = 0
+        self.num_pending = 0  # sampled on the device, not yet read back
+        self.sample_index = -1  # row of this sequence's token in the last launched step's samples
+        self.num_prompt_scored = 0  # prompt positions already scored for prompt_logprobs
         self.row = -1
         self.slot_chunks: list[torch.Tensor] = []
         self.num_preemptions = 0
@@ -133,7 +138,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens so far, pending ones included."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_ids(self) -> list[int]:
@@ -141,7 +147,13 @@ class Sequence:
 
     @property
     def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt
+        """Tokens generated so far, pending ones included."""
+        return self.num_tokens - self.num_prompt
+
+    @property
+    def done_sampling(self) -> bool:
+        """Its last token is sampled (possibly still pending): nothing left to schedule."""
+        return self.num_generated >= self.params.max_tokens
 
     @property
     def num_uncomputed(self) -> int:

@@ -159,16 +159,23 @@ class ModelRunner:
             host = host.to(dtype).pin_memory()
         return list(host.to(self.device, dtype=dtype, non_blocking=True).split(sizes))
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Sequence], list]:
-        """-> the ForwardBatch, the sequences that sample a token this step (in logits order), and the
-        prompt tokens scored for prompt_logprobs as (sequence, count, target ids); their logits
-        follow the samplers' in logits_indices."""
+    def prepare(self, batch: ScheduledBatch):
+        """-> the ForwardBatch; the sequences that sample a token this step (in logits order); the
+        prompt tokens scored for prompt_logprobs as (sequence, count, target ids), whose logits
+        follow the samplers' in logits_indices; and (batch indices, sample rows) of input tokens
+        that the step in flight is sampling, or None."""
         input_ids, positions, token_rows, logits_indices, samplers = [], [], [], [], []
         scored, score_indices = [], []
+        pending_dst, pending_src = [], []  # input tokens still on the device: (batch index, sample row)
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new):
             first = len(input_ids)
             if n == 1:
-                input_ids.append(seq.token_ids[start])
+                if start < len(seq.token_ids):
+                    input_ids.append(seq.token_ids[start])
+                else:  # sampled by the step in flight: taken from its output on the device
+                    pending_dst.append(first)
+                    pending_src.append(seq.sample_index)
+                    input_ids.append(0)
                 positions.append(start)
                 token_rows.append(seq.row)
             else:
@@ -180,10 +187,11 @@ class ModelRunner:
                 samplers.append(seq)
             if seq.prompt_logprobs is not None:
                 # position p predicts prompt token p + 1; recomputation after preemption skips known ones
-                lo, hi = max(start, len(seq.prompt_logprobs)), min(start + n, seq.num_prompt - 1)
+                lo, hi = max(start, seq.num_prompt_scored), min(start + n, seq.num_prompt - 1)
                 if hi > lo:
                     score_indices.extend(range(first + lo - start, first + hi - start))
                     scored.append((seq, hi - lo, seq.token_ids[lo + 1 : hi + 1]))
+                    seq.num_prompt_scored = hi
         logits_indices += score_indices
         nd = batch.num_decode
         rows = [s.row for s in batch.seqs]
@@ -192,8 +200,8 @@ class ModelRunner:
         for n in batch.num_new[nd:]:
             q_start.append(offset)
             offset += n
-        ids_t, pos_t, slots_t, logits_t = self._stage(
-            [input_ids, positions, torch.cat(batch.slots), logits_indices], torch.int64
+        ids_t, pos_t, slots_t, logits_t, pending_dst_t, pending_src_t = self._stage(
+            [input_ids, positions, torch.cat(batch.slots), logits_indices, pending_dst, pending_src], torch.int64
         )
         token_rows_t, rows_t, kv_lens_t, q_start_t, q_lens_t = self._stage(
             [token_rows, rows, kv_lens, q_start, batch.num_new[nd:]], torch.int32
@@ -215,7 +223,7 @@ class ModelRunner:
             prefill_max_q_len=max(batch.num_new[nd:], default=0),
             logits_indices=logits_t,
         )
-        return fb, samplers, scored
+        return fb, samplers, scored, (pending_dst_t, pending_src_t) if pending_dst else None
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Record the new tokens' slots in the token table, run the model -> logits [S, V] fp32."""
@@ -245,31 +253,58 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def step(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
-        """Run one batch; -> the sequences that sampled and their new tokens. Log-probabilities
-        asked for are appended to the sequences' lists."""
-        fb, samplers, scored = self.prepare(batch)
+    def launch(self, batch: ScheduledBatch, previous: StepOutput | None) -> StepOutput:
+        """Queue one batch on the device without waiting for it. Input tokens that `previous` (the
+        step in flight) is sampling are read from its output on the device."""
+        fb, samplers, scored, pending = self.prepare(batch)
+        if pending is not None:
+            dst, src = pending
+            fb.input_ids[dst] = previous.tokens[src]
         if self.graphs is not None and not scored and self.graphs.can_run(fb):
             logits = self.graphs.run(fb)
         else:
             logits = self.forward(fb)
-        if logits.shape[0] == 0:
-            return [], []
         num_sampled = len(samplers)
+        outputs = []  # fp32 values read back: sampled tokens' logprobs, then prompt logprobs
+        tokens = None
+        wanting = [i for i, s in enumerate(samplers) if s.logprobs is not None]
+        if samplers:
+            tokens = sample(logits[:num_sampled], self.sampling_batch(samplers))
+            if wanting:
+                rows = self._tensor(wanting, torch.int64)
+                lp = torch.log_softmax(logits[rows], dim=-1)
+                outputs.append(lp.gather(1, tokens[rows][:, None]).squeeze(1))
         if scored:
             targets = self._tensor([t for _, _, ids in scored for t in ids], torch.int64)
-            values = torch.log_softmax(logits[num_sampled:], dim=-1).gather(1, targets[:, None]).squeeze(1).tolist()
-            for seq, count, _ in scored:
-                seq.prompt_logprobs.extend(values[:count])
-                values = values[count:]
-        if not samplers:
-            return [], []
-        logits = logits[:num_sampled]
-        tokens = sample(logits, self.sampling_batch(samplers))
-        wanting = [i for i, s in enumerate(samplers) if s.logprobs is not None]
-        if wanting:
-            rows = self._tensor(wanting, torch.int64)
-            chosen = torch.log_softmax(logits[rows], dim=-1).gather(1, tokens[rows][:, None]).squeeze(1)
-            for i, value in zip(wanting, chosen.tolist()):
-                samplers[i].logprobs.append(value)
-        return samplers, tokens.tolist()
+            lp = torch.log_softmax(logits[num_sampled:], dim=-1)
+            outputs.append(lp.gather(1, targets[:, None]).squeeze(1))
+        for i, seq in enumerate(samplers):
+            seq.sample_index = i
+            seq.num_pending += 1
+        return StepOutput(samplers, wanting, [(seq, count) for seq, count, _ in scored], tokens,
+                          torch.cat(outputs) if outputs else None, self.pin)
+
+
+class StepOutput:
+    """The results of a launched step, copied back to the host as the device produces them."""
+
+    def __init__(self, samplers, wanting, scored, tokens, values, pinned: bool):
+        self.samplers = samplers  # sequences that sampled, in the order of `tokens`
+        self.wanting = wanting  # indices of samplers that asked for their token's logprob
+        self.scored = scored  # (sequence, number of prompt logprobs), in the order of `values`
+        self.tokens = tokens  # [S] int64 on the device, or None
+        self._host = [t.to("cpu", non_blocking=pinned) for t in (tokens, values) if t is not None]
+        self._event = None
+        if pinned:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def read(self) -> tuple[list[int], list[float], list[float]]:
+        """Wait for the step -> (sampled tokens, their logprobs for `wanting`, prompt logprobs)."""
+        if self._event is not None:
+            self._event.synchronize()
+        host = [t.tolist() for t in self._host]
+        tokens = host.pop(0) if self.tokens is not None else []
+        values = host.pop(0) if host else []
+        split = len(self.wanting)
+        return tokens, values[:split], values[split:]

@@ -58,9 +58,11 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         while True:
             batch = self._try_schedule()
-            if batch.seqs or not self.running:
-                return batch if batch.seqs else None
-            # Every running sequence is stuck part-way through a prompt with no free slot.
+            if batch.seqs:
+                return batch
+            if not any(not s.done_sampling for s in self.running):
+                return None  # nothing runnable (running ones only await their last token's read-back)
+            # Every runnable sequence is stuck part-way through a prompt with no free slot.
             self.preempt(self.running[-1])
 
     def _try_schedule(self) -> ScheduledBatch:
@@ -78,7 +80,7 @@ class Scheduler:
             seq.num_computed += n
 
         for seq in list(self.running):  # decodes, oldest first
-            if seq.status is not Status.RUNNING or seq.num_uncomputed != 1:
+            if seq.status is not Status.RUNNING or seq.num_uncomputed != 1 or seq.done_sampling:
                 continue
             while kv.num_free == 0 and seq.status is Status.RUNNING:
                 self.preempt(self.running[-1])
@@ -88,7 +90,7 @@ class Scheduler:
         budget -= batch.num_decode
 
         for seq in self.running:  # prompts part-way through, oldest first
-            if seq.num_uncomputed > 0:  # (this step's decodes have none left)
+            if seq.num_uncomputed > 0 and not seq.done_sampling:  # (this step's decodes have none left)
                 n = min(seq.num_uncomputed, budget, kv.num_free)
                 if n <= 0:
                     break
@@ -98,6 +100,8 @@ class Scheduler:
         reserved = sum(expected_future_tokens(s) for s in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted with a token still in flight: wait for its read-back
+                break
             need = expected_future_tokens(seq)
             if self.running and reserved + need > kv.num_free:
                 break
@@ -121,7 +125,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        self._release(seq)
+        if seq.status is Status.RUNNING:
+            self._release(seq)
+        elif seq.status is Status.WAITING:  # preempted while its last token was in flight
+            self.waiting.remove(seq)
         seq.status = Status.FINISHED
 
     def _release(self, seq: Sequence) -> None:
