@@ -14,6 +14,7 @@ from batchgen.engine.kv_cache import KVCache
 from batchgen.engine.parallel import SINGLE, TensorParallel
 from batchgen.engine.request import Sequence
 from batchgen.engine.scheduler import ScheduledBatch
+from batchgen.engine.staging import Staging
 from batchgen.layers.sampler import SamplingBatch, sample
 from batchgen.models.loader import build_model
 from batchgen.models.model_config import ModelConfig
@@ -54,7 +55,8 @@ class ModelRunner:
         self.model = build_model(model_cfg, model_dir, self.dtype, self.device, self.max_model_len, tp)
         attn = self.model.attention_layers()[0]
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.pin = self.device.type == "cuda"
+        # room for a step's index arrays: ~4 per token and ~8 per sequence
+        self.staging = Staging(self.device, 8 * (self.max_num_batched_tokens + config.max_num_seqs))
         self.kv = self._make_kv_cache(self._num_kv_slots())
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
@@ -148,16 +150,10 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
     def _tensor(self, values, dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype, pin_memory=self.pin)
-        return t.to(self.device, non_blocking=True)
+        return self.staging.to_device([values], dtype)[0]
 
     def _stage(self, arrays: list, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Several host int arrays to the device in one copy (through pinned memory on CUDA)."""
-        sizes = [len(a) for a in arrays]
-        host = torch.cat([a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=dtype) for a in arrays])
-        if self.pin:
-            host = host.to(dtype).pin_memory()
-        return list(host.to(self.device, dtype=dtype, non_blocking=True).split(sizes))
+        return self.staging.to_device(arrays, dtype)
 
     def prepare(self, batch: ScheduledBatch):
         """-> the ForwardBatch; the sequences that sample a token this step (in logits order); the
@@ -256,6 +252,7 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, previous: StepOutput | None) -> StepOutput:
         """Queue one batch on the device without waiting for it. Input tokens that `previous` (the
         step in flight) is sampling are read from its output on the device."""
+        self.staging.next_step()
         fb, samplers, scored, pending = self.prepare(batch)
         if pending is not None:
             dst, src = pending
@@ -282,20 +279,20 @@ class ModelRunner:
             seq.sample_index = i
             seq.num_pending += 1
         return StepOutput(samplers, wanting, [(seq, count) for seq, count, _ in scored], tokens,
-                          torch.cat(outputs) if outputs else None, self.pin)
+                          torch.cat(outputs) if outputs else None, self.staging)
 
 
 class StepOutput:
     """The results of a launched step, copied back to the host as the device produces them."""
 
-    def __init__(self, samplers, wanting, scored, tokens, values, pinned: bool):
+    def __init__(self, samplers, wanting, scored, tokens, values, staging: Staging):
         self.samplers = samplers  # sequences that sampled, in the order of `tokens`
         self.wanting = wanting  # indices of samplers that asked for their token's logprob
         self.scored = scored  # (sequence, number of prompt logprobs), in the order of `values`
         self.tokens = tokens  # [S] int64 on the device, or None
-        self._host = [t.to("cpu", non_blocking=pinned) for t in (tokens, values) if t is not None]
+        self._host = [staging.to_host(t) for t in (tokens, values) if t is not None]
         self._event = None
-        if pinned:
+        if staging.arenas is not None:
             self._event = torch.cuda.Event()
             self._event.record()
 

@@ -1,0 +1,64 @@
+"""Pinned host memory for the small arrays a step copies to and from the device.
+
+Allocating pinned memory is slow, and a pinned block cannot be reused while a copy from it may still
+be queued; the engine runs one step ahead of reading results, so consecutive steps alternate between
+two halves: step N+2 reuses step N's half only after step N's results were read back, which means
+its copies are done.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class PinnedArena:
+    """A bump allocator over two halves of pinned host memory, one per step parity."""
+
+    def __init__(self, capacity: int, dtype: torch.dtype):
+        self.halves = [torch.empty(capacity, dtype=dtype, pin_memory=True) for _ in range(2)]
+        self.half, self.offset = 0, 0
+
+    def next_step(self) -> None:
+        self.half ^= 1
+        self.offset = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        """n elements of this step's half; an ordinary (unpinned) tensor if it is full."""
+        if self.offset + n > self.halves[self.half].numel():
+            return torch.empty(n, dtype=self.halves[0].dtype)
+        view = self.halves[self.half][self.offset : self.offset + n]
+        self.offset += n
+        return view
+
+
+class Staging:
+    """Host <-> device copies of a step's index arrays and results: through pinned arenas on CUDA,
+    plain tensors on CPU."""
+
+    def __init__(self, device: torch.device, capacity: int):
+        self.device = device
+        self.arenas = None
+        if device.type == "cuda":
+            self.arenas = {dt: PinnedArena(capacity, dt) for dt in (torch.int64, torch.int32, torch.float32)}
+
+    def next_step(self) -> None:
+        if self.arenas:
+            for arena in self.arenas.values():
+                arena.next_step()
+
+    def to_device(self, arrays: list, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Several host arrays (lists or CPU tensors) to the device in one copy."""
+        sizes = [len(a) for a in arrays]
+        parts = [a.to(dtype) if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=dtype) for a in arrays]
+        if self.arenas is None:
+            return list(torch.cat(parts).split(sizes))
+        host = self.arenas[dtype].take(sum(sizes))
+        torch.cat(parts, out=host)
+        return list(host.to(self.device, non_blocking=True).split(sizes))
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Start copying a device tensor back; read it only after the step's event."""
+        if self.arenas is None:
+            return tensor
+        host = self.arenas[tensor.dtype].take(tensor.numel())
+        host.copy_(tensor, non_blocking=True)
+        return host
