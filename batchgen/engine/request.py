@@ -157,7 +157,7 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        return self.num_tokens - self.num_computed
 
     @property
     def max_total_tokens(self) -> int:

@@ -110,3 +110,20 @@ def test_admission_waits_for_room_instead_of_overcommitting():
     run_step(sched, first)
     done = drain(sched)
     assert {s.id for s in done} == {"a", "b"} and a.num_preemptions == b.num_preemptions == 0
+
+
+def test_a_token_still_in_flight_is_decoded_next_step_without_preemption():
+    """The engine schedules step N+1 before reading back step N: a sequence whose last token is
+    still on the device (pending) decodes it, and one whose final token is pending is left alone."""
+    kv = make_kv(100)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=16)
+    s = seq("s", 5, max_tokens=2)
+    sched.add(s)
+    first = sched.schedule()
+    assert first.num_new == [5]
+    s.num_pending = 1  # step 1 sampled a token, not read back yet
+    second = sched.schedule()
+    assert second.seqs == [s] and second.num_decode == 1 and second.starts == [5]
+    assert s.num_preemptions == 0
+    s.num_pending = 2  # step 2 sampled the final token (max_tokens=2): nothing more to run
+    assert sched.schedule() is None and s.num_preemptions == 0 and sched.running == [s]
