@@ -53,7 +53,7 @@ def error_result(row_id: Any, message: str, extras: dict | None = None) -> dict:
 
 
 class IdSet:
-    """Ids seen so far, kept as 64-bit digests (about 60 bytes an id, whatever the id's length).
+    """Ids seen so far, kept as 64-bit digests (under 100 bytes an id, whatever the id's length).
 
     Ids compare as text: the string "7" and the integer 7 are the same id, because a JSONL file that
     mixes them stores its ids as strings. Two different ids share a digest with odds of about
