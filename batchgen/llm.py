@@ -7,9 +7,12 @@ from collections.abc import Iterable, Iterator
 
 from batchgen.config import EngineConfig
 from batchgen.engine.engine import LLMEngine, error_row, result_row
+from batchgen.engine.packer import pack
 from batchgen.engine.request import RequestError
 from batchgen.sampling_params import SamplingParams
 from batchgen.version import __version__
+
+_END = object()
 
 
 class LLM:
@@ -37,7 +40,9 @@ class LLM:
     ) -> Iterator[dict]:
         """Yield one result row per request, as each finishes. Requests (DESIGN.md's input rows) are
         pulled lazily, only while the engine has room, so any number of them streams through in
-        bounded memory. A bad request yields an error row at once and affects no other."""
+        bounded memory. A live source (a queue) may yield None for "nothing right now": the engine
+        keeps running what it has and asks again after the next step. A bad request yields an error
+        row at once and affects no other."""
         defaults = sampling or SamplingParams()
         engine = self.engine
         source = iter(requests)
@@ -48,18 +53,23 @@ class LLM:
         self.stats = {}
         try:
             while True:
-                while not exhausted and len(engine.scheduler.waiting) < lookahead:
-                    row = next(source, None)
-                    if row is None:
+                fresh = []
+                while not exhausted and len(engine.scheduler.waiting) + len(fresh) < lookahead:
+                    row = next(source, _END)
+                    if row is _END:
                         exhausted = True
+                        break
+                    if row is None:  # a live source with nothing right now: run what we have
                         break
                     if isinstance(row, dict) and row.get("id") is None:
                         row = {**row, "id": index}
                     index += 1
                     try:
-                        engine.add(engine.make_sequence(row, defaults))
+                        fresh.append(engine.make_sequence(row, defaults))
                     except RequestError as e:
                         yield error_row(row, str(e))
+                for seq in pack(fresh):
+                    engine.add(seq)
                 if stop_event is not None and stop_event.is_set():
                     break
                 if not engine.has_work():

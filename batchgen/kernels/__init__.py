@@ -10,6 +10,7 @@ from batchgen.kernels.silu_and_mul import silu_and_mul
 from batchgen.kernels.store_kv import store_kv
 from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.decode_attention import decode_attention
+from batchgen.kernels.gumbel_argmax import gumbel_argmax
 
 __all__ = [
     "rmsnorm",
@@ -19,4 +20,5 @@ __all__ = [
     "store_kv",
     "prefill_attention",
     "decode_attention",
+    "gumbel_argmax",
 ]

@@ -79,3 +79,20 @@ def test_bad_engine_option_is_a_clear_error():
         LLM("unused", dtype="float8")
     with pytest.raises(ValueError, match="invalid --max-num-batched-tokens"):
         LLM("unused", max_num_seqs=64, max_num_batched_tokens=8)
+
+
+def test_a_live_source_may_have_nothing_for_a_while(llm):
+    """None from the source means "nothing now": running requests go on, and later rows still come."""
+    seen_running = []
+
+    def source():
+        yield {"id": "first", "prompt_token_ids": [1, 2, 3]}
+        for _ in range(3):
+            seen_running.append(len(llm.engine.scheduler.running))
+            yield None
+        yield {"id": "second", "prompt_token_ids": [4, 5]}
+
+    results = list(llm.generate(source(), SamplingParams(temperature=0, max_tokens=8)))
+    assert sorted(r["id"] for r in results) == ["first", "second"]
+    assert all(r["completion_tokens"] == 8 for r in results)
+    assert max(seen_running) == 1  # "first" was running while the source had nothing

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.layers.sampler import SamplingBatch, mask_top_k_top_p, sample, uniform_noise
+from batchgen.kernels.gumbel_argmax import uniform_noise
+from batchgen.layers.sampler import SamplingBatch, mask_top_k_top_p, sample
 
 
 def sampling_batch(n, temperature=1.0, top_k=None, top_p=1.0, seeds=None, vocab=50):
@@ -57,7 +58,7 @@ def test_top_p_never_picks_outside_the_nucleus():
 
 def test_top_k_top_p_mask_keeps_the_expected_sets():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
-    kept = mask_top_k_top_p(logits, torch.tensor([3]), torch.tensor([0.6])).isfinite()
+    kept = mask_top_k_top_p(logits, torch.tensor([1.0]), torch.tensor([3]), torch.tensor([0.6])).isfinite()
     assert kept.tolist() == [[True, True, False, False]]
 
 

@@ -127,3 +127,14 @@ def test_a_token_still_in_flight_is_decoded_next_step_without_preemption():
     assert s.num_preemptions == 0
     s.num_pending = 2  # step 2 sampled the final token (max_tokens=2): nothing more to run
     assert sched.schedule() is None and s.num_preemptions == 0 and sched.running == [s]
+
+
+def test_packer_groups_shared_prefixes_and_puts_long_requests_first():
+    from batchgen.engine.packer import pack
+
+    shared = list(range(100, 140))
+    seqs = [seq("short", 5, max_tokens=4), seq("long", 90, max_tokens=4)]
+    seqs += [Sequence(f"p{i}", shared + [i] * (i + 1), SamplingParams(max_tokens=4), [], {}, 0.0) for i in range(3)]
+    order = [s.id for s in pack(seqs)]
+    assert order[0] == "long" and order[-1] == "short"
+    assert order[1:4] == ["p2", "p1", "p0"]  # the shared-prefix group together, longest first

@@ -1,0 +1,114 @@
+"""Sampling of one token per row by the Gumbel-max trick, with counter-based noise:
+
+    token = argmax_v(logits[v] / T + g_v),   g_v = -log(-log(u_v)),   u_v = hash(seed, step, v)
+    (T = 0: token = argmax_v(logits[v]))
+
+u is a pure function of (seed, step, token id), so a row's sample never depends on the other rows
+of the batch, and a request recomputed after preemption draws the same tokens. The hash is a 32-bit
+integer mix (two multiply-xorshift rounds); 24 of its bits make u in (0, 1). The Triton kernel reads
+each row of logits once (one program per row, a running max over vocabulary blocks); the reference
+builds the [S, V] noise with int64 torch ops.
+"""
+import torch
+import triton
+import triton.language as tl
+
+_M32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # multiplier of both mix rounds
+_TOKEN_SALT = 0x9E3779B9  # added to token ids before mixing
+
+
+@triton.jit
+def _hash32(x):
+    """x: uint32 -> uint32 (products wrap mod 2^32, as the reference's `& 0xFFFFFFFF`)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _gumbel_argmax_kernel(
+    logits_ptr,  # [S, V] fp32
+    logits_stride,  # elements between two rows of logits
+    temperatures_ptr,  # [S] fp32, 0 = greedy
+    seeds_ptr,  # [S] int64
+    steps_ptr,  # [S] int64
+    out_ptr,  # [S] int64 chosen token ids
+    vocab,  # V
+    BLOCK: tl.constexpr,  # vocabulary entries per iteration
+):
+    row = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(temperatures_ptr + row)
+    seed = tl.load(seeds_ptr + row)
+    step = tl.load(steps_ptr + row)
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    key = _hash32(seed_lo ^ _hash32(seed_hi ^ _hash32((step & 0xFFFFFFFF).to(tl.uint32))))
+    noisy = temperature > 0
+    inv_t = 1.0 / tl.where(noisy, temperature, 1.0)
+    best_val = float("-inf")
+    best_idx = 0
+    for start in range(0, vocab, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        mask = idx < vocab
+        x = tl.load(logits_ptr + row * logits_stride + idx, mask=mask, other=float("-inf"))
+        token_key = _hash32((idx.to(tl.int64) + 0x9E3779B9).to(tl.uint32))
+        bits = _hash32(key ^ token_key) >> 8
+        u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        gumbel = -tl.log(-tl.log(u))
+        score = tl.where(noisy, x * inv_t + gumbel, x)
+        score = tl.where(mask, score, float("-inf"))
+        block_max = tl.max(score, axis=0)
+        block_arg = tl.argmax(score, axis=0)
+        better = block_max > best_val  # strict: the first maximum wins, as torch.argmax
+        best_idx = tl.where(better, start + block_arg, best_idx)
+        best_val = tl.where(better, block_max, best_val)
+    tl.store(out_ptr + row, best_idx.to(tl.int64))
+
+
+def gumbel_argmax_triton(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    _gumbel_argmax_kernel[(rows,)](
+        logits, logits.stride(0), temperatures, seeds, steps, out, vocab, BLOCK=2048, num_warps=8,
+    )
+    return out
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's mix on int64 tensors holding values < 2^32 (products stay < 2^63)."""
+    x = (((x >> 16) ^ x) * _MIX) & _M32
+    x = (((x >> 16) ^ x) * _MIX) & _M32
+    return (x >> 16) ^ x
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u in (0, 1), [S, V] fp32, a pure function of (seed, step, token id)."""
+    key = hash32((seeds & _M32) ^ hash32(((seeds >> 32) & _M32) ^ hash32(steps & _M32)))  # [S]
+    token_key = hash32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) + _TOKEN_SALT)
+    bits = hash32(key[:, None] ^ token_key[None, :]) >> 8  # 24 random bits
+    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_argmax_ref(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    noisy = temperatures > 0
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
+    scores = logits / torch.where(noisy, temperatures, 1.0)[:, None] + gumbel
+    return torch.where(noisy, scores.argmax(dim=-1), logits.argmax(dim=-1))
+
+
+def gumbel_argmax(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """logits [S, V] fp32 (-inf where masked); temperatures [S] fp32; seeds, steps [S] int64 ->
+    token ids [S] int64."""
+    if logits.is_cuda:
+        return gumbel_argmax_triton(logits, temperatures, seeds, steps)
+    return gumbel_argmax_ref(logits, temperatures, seeds, steps)

@@ -1,0 +1,54 @@
+import pytest
+import torch
+
+from batchgen.kernels.gumbel_argmax import gumbel_argmax_ref, gumbel_argmax_triton
+
+# (rows, vocab): one row, a vocabulary not a multiple of the block, several blocks; real vocabularies
+# on the GPU.
+SHAPES = [(1, 5), (7, 3001), (4, 4099)] + [
+    pytest.param(r, v, marks=pytest.mark.gpu) for r, v in [(256, 128256), (3, 151936), (1, 49152)]
+]
+
+
+def inputs(rows, vocab, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 2).to(device)
+    temperatures = torch.rand(rows, generator=g).to(device) + 0.3
+    temperatures[::3] = 0.0  # greedy rows among sampled ones
+    seeds = torch.randint(0, 2**62, (rows,), generator=g).to(device)
+    steps = torch.randint(0, 10_000, (rows,), generator=g).to(device)
+    return logits, temperatures, seeds, steps
+
+
+@pytest.mark.parametrize("rows,vocab", SHAPES)
+def test_same_tokens_as_the_reference(device, rows, vocab):
+    args = inputs(rows, vocab, device)
+    out = gumbel_argmax_triton(*args)
+    ref = gumbel_argmax_ref(*args)
+    # Same noise bits on both sides; a different token only where two scores tie in fp32 rounding.
+    logits, temperatures, seeds, steps = args
+    assert (out == ref).float().mean() >= 0.99
+    greedy = temperatures == 0
+    assert torch.equal(out[greedy], logits[greedy].argmax(-1))
+
+
+def test_masked_entries_are_never_chosen(device):
+    logits, temperatures, seeds, steps = inputs(6, 300, device, seed=1)
+    temperatures.fill_(5.0)  # hot: the noise dominates, so a leak would show
+    allowed = torch.zeros_like(logits, dtype=torch.bool)
+    allowed[:, 17::31] = True
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    for step in range(20):
+        out = gumbel_argmax_triton(masked, temperatures, seeds, steps + step)
+        assert allowed.gather(1, out[:, None]).all()
+
+
+def test_noise_depends_on_seed_and_step_only(device):
+    logits, temperatures, seeds, steps = inputs(4, 1000, device, seed=2)
+    temperatures.fill_(1.0)
+    out = gumbel_argmax_triton(logits, temperatures, seeds, steps)
+    # the same rows in another order and beside other rows: the same tokens
+    perm = torch.tensor([2, 0, 3, 1], device=device)
+    shuffled = gumbel_argmax_triton(logits[perm], temperatures[perm], seeds[perm], steps[perm])
+    assert torch.equal(shuffled, out[perm])
+    assert not torch.equal(gumbel_argmax_triton(logits, temperatures, seeds, steps + 1), out)
