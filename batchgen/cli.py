@@ -291,5 +291,19 @@ def models() -> None:
     print("other models:  --model PATH (a local Hugging Face model directory)")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def bench(ctx: typer.Context) -> None:
+    """Throughput benchmark on a GPU: BENCHMARKS.md's workloads, batchgen against HF generate() in the
+    same run (benchmarks/throughput.py; every argument passes through, `batchgen bench --help` lists them)."""
+    import runpy
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
+    if not script.exists():
+        raise _fail("batchgen bench runs benchmarks/throughput.py of a source checkout; none is next to this install",
+                    EXIT_USAGE)
+    sys.argv = [str(script), *ctx.args]
+    runpy.run_path(str(script), run_name="__main__")
+
+
 if __name__ == "__main__":
     app()

@@ -3,7 +3,11 @@ GPU, HF transformers generate() (batches of 64 in input order, left padding, eac
 longest requested output, only requested tokens counted). Random weights at real shapes, built here
 with transformers and saved as bf16 safetensors. Prints one JSON line per measurement.
 
-    python benchmarks/throughput.py --model llama-3.2-1b --workload W-offline --hf-requests 64
+    python benchmarks/throughput.py --model llama-3.2-1b --workload W-offline W-short --hf-requests 64 \
+        --json-out results.jsonl --plot throughput.png
+
+GPU busy is the mean of NVML's utilization samples (the share of time a kernel was running) taken
+every 50 ms during batchgen's run.
 """
 from __future__ import annotations
 
@@ -70,20 +74,53 @@ def make_requests(workload: str, vocab: int) -> list[dict]:
     ]
 
 
-def run_batchgen(model_dir: Path, requests: list[dict], temperature: float) -> dict:
-    llm = LLM(str(model_dir), dtype="bfloat16")
+class GpuBusy:
+    """Samples NVML's GPU utilization in a thread while the block runs."""
+
+    def __enter__(self):
+        import threading
+
+        self.samples, self._stop = [], threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception:  # no NVML here: report nothing rather than fail the benchmark
+            return self
+
+        def sample():
+            while not self._stop.wait(0.05):
+                self.samples.append(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+    @property
+    def percent(self):
+        return round(sum(self.samples) / len(self.samples), 1) if self.samples else None
+
+
+def run_batchgen(model_dir: Path, requests: list[dict], temperature: float, tp: int = 1) -> dict:
+    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp)
     params = SamplingParams(temperature=temperature, ignore_eos=True)
     llm.generate_list(requests[:2], params)  # warm-up: kernels compiled, allocator primed
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    results = llm.generate_list(requests, params)
-    wall = time.perf_counter() - start
+    with GpuBusy() as busy:
+        start = time.perf_counter()
+        results = llm.generate_list(requests, params)
+        wall = time.perf_counter() - start
     tokens = sum(r["completion_tokens"] for r in results)
     assert tokens == sum(r["max_tokens"] for r in requests)
     ttft = sorted(r["ttft_s"] for r in results)
     del llm
     torch.cuda.empty_cache()
-    return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "ttft_p50_s": ttft[len(ttft) // 2]}
+    return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "ttft_p50_s": ttft[len(ttft) // 2],
+            "gpu_busy_pct": busy.percent}
 
 
 def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
@@ -114,26 +151,61 @@ def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
     return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=list(MODELS), default="llama-3.2-1b")
-    ap.add_argument("--workload", choices=list(WORKLOADS), default="W-offline")
+def plot(lines: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{d['model']}\n{d['workload']}" + (f" tp{d['tp']}" if d.get("tp", 1) > 1 else "") for d in lines]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(lines)), 4))
+    x = range(len(lines))
+    ax.bar([i - 0.2 for i in x], [d["batchgen_tok_s"] for d in lines], 0.4, label="batchgen")
+    ax.bar([i + 0.2 for i in x], [d.get("hf_generate_tok_s", 0) for d in lines], 0.4, label="HF generate()")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"batchgen vs HF transformers, {lines[0]['gpu']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=list(MODELS), nargs="+", default=["llama-3.2-1b"])
+    ap.add_argument("--workload", choices=list(WORKLOADS), nargs="+", default=["W-offline"])
     ap.add_argument("--hf-requests", type=int, default=0, help="run HF generate() on the first N requests")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--models-dir", default="/tmp/batchgen-bench-models")
-    args = ap.parse_args()
-    model_dir = build_model(args.model, Path(args.models_dir))
-    requests = make_requests(args.workload, MODELS[args.model][1]["vocab_size"])
-    ours = run_batchgen(model_dir, requests, args.temperature)
-    line = {"workload": args.workload, "model": args.model, "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "requests": len(requests), "temperature": args.temperature,
-            "batchgen_tok_s": round(ours["tok_s"], 1), "batchgen_wall_s": round(ours["wall_s"], 2),
-            "batchgen_ttft_p50_s": round(ours["ttft_p50_s"], 3)}
-    if args.hf_requests:
-        hf = run_hf(model_dir, requests[: args.hf_requests])
-        line.update({"hf_requests": args.hf_requests, "hf_generate_tok_s": round(hf["tok_s"], 1),
-                     "hf_wall_s": round(hf["wall_s"], 2), "ratio": round(ours["tok_s"] / hf["tok_s"], 2)})
-    print(json.dumps(line), flush=True)
+    ap.add_argument("--json-out", help="append the JSON lines to this file")
+    ap.add_argument("--plot", help="write a PNG bar chart of this run's lines")
+    args = ap.parse_args(argv)
+    lines = []
+    for name in args.model:
+        model_dir = build_model(name, Path(args.models_dir))
+        for workload in args.workload:
+            requests = make_requests(workload, MODELS[name][1]["vocab_size"])
+            ours = run_batchgen(model_dir, requests, args.temperature, args.tensor_parallel_size)
+            line = {"workload": workload, "model": name, "gpu": torch.cuda.get_device_name(),
+                    "tp": args.tensor_parallel_size, "torch": torch.__version__, "requests": len(requests),
+                    "temperature": args.temperature, "batchgen_tok_s": round(ours["tok_s"], 1),
+                    "batchgen_wall_s": round(ours["wall_s"], 2), "batchgen_ttft_p50_s": round(ours["ttft_p50_s"], 3),
+                    "gpu_busy_pct": ours["gpu_busy_pct"]}
+            if workload == "W-decode1":
+                line["ms_per_token"] = round(1000 / ours["tok_s"], 3)
+            if args.hf_requests:
+                hf = run_hf(model_dir, requests[: args.hf_requests])
+                line.update({"hf_requests": min(args.hf_requests, len(requests)),
+                             "hf_generate_tok_s": round(hf["tok_s"], 1), "hf_wall_s": round(hf["wall_s"], 2),
+                             "ratio": round(ours["tok_s"] / hf["tok_s"], 2)})
+            print(json.dumps(line), flush=True)
+            lines.append(line)
+            if args.json_out:
+                with open(args.json_out, "a") as f:
+                    f.write(json.dumps(line) + "\n")
+    if args.plot and lines:
+        plot(lines, args.plot)
 
 
 if __name__ == "__main__":

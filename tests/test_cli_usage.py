@@ -100,3 +100,11 @@ def test_models_names_the_default_model_and_its_cache(batchgen, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "SmolLM2-135M-Instruct" in done.stdout and str(tmp_path / "cache") in done.stdout
     assert "not converted yet" in done.stdout
+
+
+def test_bench_passes_its_arguments_to_the_benchmark_script(batchgen):
+    done = batchgen("bench", "--help")
+    assert done.returncode == 0
+    assert "usage: throughput.py" in done.stdout and "--workload" in done.stdout
+    done = batchgen("bench", "--workload", "W-nothing")
+    assert done.returncode == 2 and "invalid choice" in done.stderr
