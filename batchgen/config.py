@@ -11,7 +11,7 @@ DEVICES = ("auto", "cuda", "cpu")
 @dataclass
 class EngineConfig:
     model: str | None = None  # local HF directory; None = the embedded default model
-    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    dtype: str = "auto"  # auto: the checkpoint's half dtype on CUDA; on CPU bf16 where native, else fp32
     device: str = "auto"
     tensor_parallel_size: int = 1
     max_num_seqs: int = 256

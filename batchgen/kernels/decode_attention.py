@@ -21,6 +21,7 @@ max_kv_len = the table width spreads short and long contexts alike over its C sp
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -250,13 +251,13 @@ def decode_attention_ref(
     positions = torch.arange(max_kv_len, device=q.device)
     valid = positions[None, :] < kv_lens[:, None].long()  # [B, L]
     slots = torch.where(valid, req_to_token[req_rows.long(), :max_kv_len].long(), 0)
-    k = k_cache[slots].float()  # [B, L, Hk, D]
-    v = v_cache[slots].float()
-    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(-1), v)
-    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+    k = k_cache[slots].transpose(1, 2)  # [B, Hk, L, D]
+    v = v_cache[slots].transpose(1, 2)
+    # torch's fused attention accumulates in fp32 for 16-bit inputs
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=group > 1
+    )  # [B, Hq, 1, D]
+    return out.view(num_seqs, num_q_heads, head_dim)
 
 
 def decode_attention(

@@ -215,20 +215,50 @@ def prefill_attention_ref(
     max_q_len: int,
     scale: float,
 ) -> torch.Tensor:
+    rows, starts, q_list, kv_list = (t.tolist() for t in (req_rows, q_start, q_lens, kv_lens))
+    max_kv_len = max(kv_list, default=0)
+    if len(rows) > 1 and len(rows) * q.shape[1] * max_q_len * max_kv_len <= 2**24:
+        return _padded_prefill(q, k_cache, v_cache, req_to_token, rows, starts, q_list, kv_list, max_q_len, scale)
     out = torch.empty_like(q)
-    for row, start, q_len, kv_len in zip(
-        req_rows.tolist(), q_start.tolist(), q_lens.tolist(), kv_lens.tolist()
-    ):
+    for row, start, q_len, kv_len in zip(rows, starts, q_list, kv_list):
         slots = req_to_token[row, :kv_len].long()
         qi = q[start : start + q_len].float().transpose(0, 1)  # [Hq, q_len, D]
         ki = k_cache[slots].float().transpose(0, 1)  # [Hk, kv_len, D]
         vi = v_cache[slots].float().transpose(0, 1)
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        mask = q_pos[:, None] >= torch.arange(kv_len, device=q.device)[None, :]  # [q_len, kv_len]
-        o = F.scaled_dot_product_attention(
-            qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=qi.shape[0] != ki.shape[0]
-        )
+        gqa = qi.shape[0] != ki.shape[0]
+        if q_len == kv_len:  # no cached prefix: plain causal attention (torch's fused path)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+            mask = q_pos[:, None] >= torch.arange(kv_len, device=q.device)[None, :]  # [q_len, kv_len]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start : start + q_len] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def _padded_prefill(q, k_cache, v_cache, req_to_token, rows, starts, q_lens, kv_lens, max_q_len, scale):
+    """Many short chunks in one attention call: queries and keys padded to the longest chunk and
+    context ([P, H, max_q_len, max_kv_len] scores), padding masked out."""
+    dev = q.device
+    num, max_kv_len = len(rows), max(kv_lens)
+    q_lens_t, kv_lens_t = torch.tensor(q_lens, device=dev), torch.tensor(kv_lens, device=dev)
+    qi = torch.arange(max_q_len, device=dev)
+    q_valid = qi[None, :] < q_lens_t[:, None]  # [P, Mq]
+    token = torch.tensor(starts, device=dev)[:, None] + qi[None, :]  # packed index of each query
+    qp = q[torch.where(q_valid, token, 0)].float().transpose(1, 2)  # [P, Hq, Mq, D]
+    ki = torch.arange(max_kv_len, device=dev)
+    kv_valid = ki[None, :] < kv_lens_t[:, None]  # [P, L]
+    slots = torch.where(kv_valid, req_to_token[torch.tensor(rows, device=dev), :max_kv_len].long(), 0)
+    kp = k_cache[slots].float().transpose(1, 2)  # [P, Hk, L, D]
+    vp = v_cache[slots].float().transpose(1, 2)
+    q_pos = (kv_lens_t - q_lens_t)[:, None] + qi[None, :]  # [P, Mq] position of each query
+    mask = (ki[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]  # [P, Mq, L]
+    mask |= ~q_valid[:, :, None]  # padded queries attend anywhere (their rows are dropped)
+    o = F.scaled_dot_product_attention(
+        qp, kp, vp, attn_mask=mask[:, None], scale=scale, enable_gqa=qp.shape[1] != kp.shape[1]
+    )
+    out = torch.empty_like(q)
+    out[token[q_valid]] = o.transpose(1, 2)[q_valid].to(q.dtype)
     return out
 
 

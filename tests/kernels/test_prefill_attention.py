@@ -56,3 +56,21 @@ def test_prefill_attention_max_q_len_is_an_upper_bound(device, assert_close):
     batch = make_batch([(5, 9), (2, 2)], 2, 1, 16, torch.float32, device, seed=4)
     out, ref = _run(batch, 100, 0.25)
     assert_close(out, ref)
+
+
+def test_reference_padded_batch_equals_one_sequence_at_a_time():
+    """The reference runs many short chunks as one padded attention call: same result as the loop."""
+    from batchgen.kernels.prefill_attention import _padded_prefill
+
+    batch = make_batch(CPU_SEQS, 4, 2, 32, torch.float32, "cpu", seed=7)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_rows,
+            batch.q_start, batch.q_lens, batch.kv_lens, 130, 0.2)
+    one_by_one = torch.cat([
+        prefill_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_rows[i : i + 1],
+                              batch.q_start[i : i + 1], batch.q_lens[i : i + 1], batch.kv_lens[i : i + 1], 130, 0.2)
+        [batch.q_start[i] : batch.q_start[i] + batch.q_lens[i]]
+        for i in range(len(CPU_SEQS))
+    ])
+    padded = _padded_prefill(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token,
+                             *(t.tolist() for t in args[4:8]), 130, 0.2)
+    torch.testing.assert_close(padded, one_by_one, atol=1e-5, rtol=1e-5)

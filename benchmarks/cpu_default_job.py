@@ -1,0 +1,86 @@
+"""The default job on CPU: the 64 chat prompts of examples/prompts.jsonl, 64 new tokens at most,
+greedy, on the embedded default model (SmolLM2-135M-Instruct): batchgen against HF transformers
+generate() in the same run on the same CPU.
+
+HF baseline as BENCHMARKS.md describes it: batches of 64 in input order, left padding, each batch
+run until every row has hit EOS or its 64 tokens; only the tokens each row really produced (up to
+and including its EOS) count, the same as batchgen's completion_tokens. HF loads the checkpoint in
+its own dtype (fp32); batchgen runs at its automatic dtype (bf16 on CPUs with native bf16) and, for
+reference, in fp32 too. Prints one JSON line per batchgen setting.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from batchgen import LLM, SamplingParams
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "prompts.jsonl"
+
+
+def load_prompts(n: int) -> list[list[dict]]:
+    rows = [json.loads(line) for line in EXAMPLE.read_text().splitlines() if line.strip()]
+    return [r["messages"] for r in rows[:n]]
+
+
+def run_batchgen(dtype: str, prompts, max_tokens: int) -> dict:
+    llm = LLM(device="cpu", dtype=dtype)
+    rows = [{"id": i, "messages": m} for i, m in enumerate(prompts)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    llm.generate_list(rows[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    results = llm.generate_list(rows, params)
+    wall = time.perf_counter() - start
+    tokens = sum(r["completion_tokens"] for r in results)
+    return {"dtype": llm.describe()["dtype"], "tok_s": tokens / wall, "wall_s": wall, "tokens": tokens,
+            "model_dir": llm.engine.model_dir}
+
+
+def run_hf(model_dir, prompts, max_tokens: int, batch_size: int, dtype=None) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype else {})).eval()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+    tokens = 0
+    start = time.perf_counter()
+    for i in range(0, len(texts), batch_size):
+        enc = tok(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        for row in out[:, enc["input_ids"].shape[1] :].tolist():
+            ends = [j for j, t in enumerate(row) if t in eos]
+            tokens += ends[0] + 1 if ends else len(row)
+    wall = time.perf_counter() - start
+    return {"dtype": str(model.dtype).removeprefix("torch."), "tok_s": tokens / wall, "wall_s": wall, "tokens": tokens}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    args = ap.parse_args()
+    prompts = load_prompts(args.prompts)
+    ours = [run_batchgen("auto", prompts, args.max_tokens), run_batchgen("float32", prompts, args.max_tokens)]
+    hf = run_hf(ours[0]["model_dir"], prompts, args.max_tokens, args.hf_batch_size)
+    for o in ours:
+        print(json.dumps({
+            "workload": f"default job on CPU ({len(prompts)} chat prompts, <= {args.max_tokens} tokens, greedy)",
+            "model": "SmolLM2-135M-Instruct", "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "batchgen_dtype": o["dtype"], "batchgen_tok_s": round(o["tok_s"], 1), "batchgen_s": round(o["wall_s"], 2),
+            "batchgen_tokens": o["tokens"], "hf_dtype": hf["dtype"], "hf_generate_tok_s": round(hf["tok_s"], 1),
+            "hf_generate_s": round(hf["wall_s"], 2), "hf_tokens": hf["tokens"], "ratio": round(o["tok_s"] / hf["tok_s"], 2),
+        }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
