@@ -29,6 +29,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.stats: dict = {}
 
+    def close(self) -> None:
+        """Release the engine's worker processes (tensor parallelism); also done when the LLM is
+        collected or the interpreter exits."""
+        self.engine.close()
+
     def describe(self) -> dict:
         return {**self.engine.describe(), "batchgen_version": __version__}
 

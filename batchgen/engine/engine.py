@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from batchgen.config import EngineConfig
+from batchgen.engine.parallel import SINGLE
 from batchgen.engine.request import KNOWN_FIELDS, Sequence, Status, make_sequence
 from batchgen.engine.runner import ModelRunner, StepOutput
 from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.tp_workers import TPWorkers, tp_device
 from batchgen.models.model_config import load_model_config
 from batchgen.models.resolve import resolve_model_dir
 from batchgen.sampling_params import SamplingParams
@@ -21,13 +24,22 @@ log = logging.getLogger("batchgen")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        if config.tensor_parallel_size != 1:
-            raise ValueError("invalid --tensor-parallel-size: only 1 is supported in this version")
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         self.model_cfg = load_model_config(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=config.trust_remote_code)
-        self.runner = ModelRunner(config, self.model_dir, self.model_cfg)
+        self.workers: TPWorkers | None = None  # ranks 1..N-1 under tensor parallelism
+        tp = SINGLE
+        if config.tensor_parallel_size > 1:
+            self.workers = TPWorkers(config, self.model_dir, tp_device(config))
+            self._finalizer = weakref.finalize(self, self.workers.close)  # collected or exiting: end them
+            tp = self.workers.tp
+        try:
+            self.runner = ModelRunner(config, self.model_dir, self.model_cfg, tp)
+        except Exception as e:
+            if self.workers is None:
+                raise
+            self.workers.fail(e)
         self.kv = self.runner.kv
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.runner.max_num_batched_tokens)
         # a request longer than this can never run: the model's length, or the whole pool
@@ -65,9 +77,23 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
 
+    def close(self) -> None:
+        """End the tensor-parallel workers, if any (also done when the engine is collected)."""
+        if self.workers is not None:
+            self._finalizer()
+
     def step(self) -> list[Sequence]:
         """Schedule and launch one batch, then read back the previous one while the device runs
         this one; -> the sequences that finished in the previous batch."""
+        if self.workers is None:
+            return self._step()
+        self.workers.check()
+        try:
+            return self._step()
+        except Exception as e:  # a rank failed: raise which and why, with every worker ended
+            self.workers.fail(e)
+
+    def _step(self) -> list[Sequence]:
         batch = self.scheduler.schedule()
         launched = None
         if batch is not None:
@@ -75,13 +101,16 @@ class LLMEngine:
             for seq in batch.seqs:
                 if seq.first_scheduled is None:
                     seq.first_scheduled = now
-            launched = self.runner.launch(batch, self.in_flight)
+            inputs, samplers, scored = self.runner.step_inputs(batch)
+            if self.workers is not None:
+                self.workers.send(inputs)  # the other ranks run the same step
+            launched = self.runner.launch(inputs, samplers, scored, self.in_flight)
         finished = self._read_back(self.in_flight) if self.in_flight is not None else []
         self.in_flight = launched
         return finished
 
     def _read_back(self, step: StepOutput) -> list[Sequence]:
-        tokens, token_logprobs, prompt_logprobs = step.read()
+        tokens, token_logprobs, prompt_logprobs = step.read(self.workers.check if self.workers else None)
         for seq, count in step.scored:
             seq.prompt_logprobs.extend(prompt_logprobs[:count])
             prompt_logprobs = prompt_logprobs[count:]

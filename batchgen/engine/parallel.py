@@ -1,36 +1,101 @@
-"""Tensor-parallel context, passed to the layers (no process-global state)."""
+"""Tensor-parallel context, passed to the layers (no process-global state).
+
+An engine's ranks talk through two process groups of their own, made from a rendezvous store that
+only they know (not torch.distributed's default group): two engines in one process, or two jobs on
+one host, never meet.
+  group:     collectives on the model's tensors (NCCL on CUDA, gloo on CPU), captured in CUDA graphs
+  cpu_group: gloo, for small host-side agreements (the KV pool size)
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+TIMEOUT = timedelta(minutes=30)  # a collective that waits longer than this fails
 
 
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
-    group: Any = None  # a torch.distributed process group when size > 1
+    group: Any = None  # a torch.distributed backend (ProcessGroupNCCL / ProcessGroupGloo) when size > 1
+    cpu_group: Any = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place."""
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            self.group.allreduce([x]).wait()  # on CUDA: the current stream waits, the host does not
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., size * n], rank-major."""
         if self.size == 1:
             return x
+        x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x to every rank, in place."""
+        if self.size > 1:
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = 0, 0
+            self.group.broadcast([x], opts).wait()
+        return x
+
+    def min_over_ranks(self, value: int) -> int:
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.cpu_group.allreduce([t], opts).wait()
+        return int(t.item())
 
     def split(self, total: int, what: str) -> int:
         if total % self.size:
             raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size ({self.size})")
         return total // self.size
 
+    def abort(self) -> None:
+        """Fail every collective in flight or to come (another rank is gone): NCCL kernels waiting
+        for a dead peer return instead of spinning forever."""
+        for group in (self.group, self.cpu_group):
+            if group is not None and hasattr(group, "abort"):
+                try:
+                    group.abort()
+                except Exception:  # best effort: the engine is failing anyway
+                    pass
+
 
 SINGLE = TensorParallel()
+
+
+def _gloo(store, rank: int, size: int):
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = TIMEOUT
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # the ranks share one host
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def connect(store_path: str, rank: int, size: int, device: torch.device) -> TensorParallel:
+    """Join the engine's ranks through the FileStore at store_path (every rank calls this)."""
+    store = dist.FileStore(store_path, size)
+    cpu_group = _gloo(dist.PrefixStore("cpu", store), rank, size)
+    if device.type == "cuda":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = TIMEOUT
+        group = ProcessGroupNCCL(dist.PrefixStore("device", store), rank, size, opts)
+    else:
+        group = _gloo(dist.PrefixStore("device", store), rank, size)
+    for g in (group, cpu_group):
+        if hasattr(g, "_set_sequence_number_for_group"):
+            g._set_sequence_number_for_group()
+    return TensorParallel(rank, size, group, cpu_group)

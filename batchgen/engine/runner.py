@@ -3,6 +3,8 @@ ForwardBatch, runs the model and samples."""
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,6 +17,7 @@ from batchgen.engine.parallel import SINGLE, TensorParallel
 from batchgen.engine.request import Sequence
 from batchgen.engine.scheduler import ScheduledBatch
 from batchgen.engine.staging import Staging
+from batchgen.engine.step_inputs import HEADER, StepInputs
 from batchgen.layers.sampler import SamplingBatch, sample
 from batchgen.models.loader import build_model
 from batchgen.models.model_config import ModelConfig
@@ -53,7 +56,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: ModelConfig, tp: TensorParallel = SINGLE):
         self.config = config
         self.model_cfg = model_cfg
+        self.tp = tp
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and tp.size > 1:  # one GPU per rank; the caller made it current
+            self.device = torch.device("cuda", tp.rank)
         self.dtype = resolve_dtype(config.dtype, model_cfg.torch_dtype, self.device)
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         if model_cfg.sliding_window:  # we attend to the whole context: stay inside the window
@@ -65,7 +71,8 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         # room for a step's index arrays: ~4 per token and ~8 per sequence
         self.staging = Staging(self.device, 8 * (self.max_num_batched_tokens + config.max_num_seqs))
-        self.kv = self._make_kv_cache(self._num_kv_slots())
+        # every rank holds the same slots (its share of the heads): the pool is what the tightest rank fits
+        self.kv = self._make_kv_cache(tp.min_over_ranks(self._num_kv_slots()))
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
             with torch.inference_mode():
@@ -163,11 +170,11 @@ class ModelRunner:
     def _stage(self, arrays: list, dtype: torch.dtype) -> list[torch.Tensor]:
         return self.staging.to_device(arrays, dtype)
 
-    def prepare(self, batch: ScheduledBatch):
-        """-> the ForwardBatch; the sequences that sample a token this step (in logits order); the
-        prompt tokens scored for prompt_logprobs as (sequence, count, target ids), whose logits
-        follow the samplers' in logits_indices; and (batch indices, sample rows) of input tokens
-        that the step in flight is sampling, or None."""
+    def step_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence], list]:
+        """The host side of a step -> its StepInputs; the sequences that sample a token this step (in
+        logits order); and the prompt tokens scored for prompt_logprobs as (sequence, count, target
+        ids), whose logits follow the samplers' in logits_indices. Input tokens that the step in
+        flight is sampling are listed in pending_dst/pending_src."""
         input_ids, positions, token_rows, logits_indices, samplers = [], [], [], [], []
         scored, score_indices = [], []
         pending_dst, pending_src = [], []  # input tokens still on the device: (batch index, sample row)
@@ -204,30 +211,48 @@ class ModelRunner:
         for n in batch.num_new[nd:]:
             q_start.append(offset)
             offset += n
-        ids_t, pos_t, slots_t, logits_t, pending_dst_t, pending_src_t = self._stage(
-            [input_ids, positions, torch.cat(batch.slots), logits_indices, pending_dst, pending_src], torch.int64
+        inputs = StepInputs.pack(
+            [nd, len(samplers), max(kv_lens[:nd], default=0), max(batch.num_new[nd:], default=0)],
+            [input_ids, positions, torch.cat(batch.slots), logits_indices, pending_dst, pending_src,
+             token_rows, rows, kv_lens, q_start, batch.num_new[nd:]],
         )
-        token_rows_t, rows_t, kv_lens_t, q_start_t, q_lens_t = self._stage(
-            [token_rows, rows, kv_lens, q_start, batch.num_new[nd:]], torch.int32
-        )
+        return inputs, samplers, scored
+
+    def forward_batch(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> ForwardBatch:
+        """Stage a step's inputs on the device (one copy) -> its ForwardBatch. Pending input tokens
+        are read from previous_tokens, the sampled tokens of the step in flight, on the device."""
+        self.staging.next_step()
+        packed = self.staging.to_device([inputs.packed], torch.int64)[0]
+        a = inputs.split(packed[HEADER:])
+        nd = inputs.num_decode
         fb = ForwardBatch(
-            input_ids=ids_t,
-            positions=pos_t,
-            out_slots=slots_t,
-            token_rows=token_rows_t,
+            input_ids=a["input_ids"],
+            positions=a["positions"],
+            out_slots=a["out_slots"],
+            token_rows=a["token_rows"],
             req_to_token=self.kv.req_to_token,
             num_decode=nd,
-            decode_rows=rows_t[:nd],
-            decode_kv_lens=kv_lens_t[:nd],
-            decode_max_kv_len=max(kv_lens[:nd], default=0),
-            prefill_rows=rows_t[nd:],
-            prefill_q_start=q_start_t,
-            prefill_q_lens=q_lens_t,
-            prefill_kv_lens=kv_lens_t[nd:],
-            prefill_max_q_len=max(batch.num_new[nd:], default=0),
-            logits_indices=logits_t,
+            decode_rows=a["rows"][:nd],
+            decode_kv_lens=a["kv_lens"][:nd],
+            decode_max_kv_len=inputs.decode_max_kv_len,
+            prefill_rows=a["rows"][nd:],
+            prefill_q_start=a["q_start"],
+            prefill_q_lens=a["q_lens"],
+            prefill_kv_lens=a["kv_lens"][nd:],
+            prefill_max_q_len=inputs.prefill_max_q_len,
+            logits_indices=a["logits_indices"],
         )
-        return fb, samplers, scored, (pending_dst_t, pending_src_t) if pending_dst else None
+        if inputs.has_pending:
+            fb.input_ids[a["pending_dst"]] = previous_tokens[a["pending_src"]]
+        return fb
+
+    def run_step(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor:
+        """The model on one step (every rank) -> logits [num_logits, V] fp32. Decode-only steps
+        that score no prompt tokens replay a CUDA graph."""
+        fb = self.forward_batch(inputs, previous_tokens)
+        if self.graphs is not None and inputs.num_logits == inputs.num_sampled and self.graphs.can_run(fb):
+            return self.graphs.run(fb)
+        return self.forward(fb)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Record the new tokens' slots in the token table, run the model -> logits [S, V] fp32."""
@@ -257,24 +282,17 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, previous: StepOutput | None) -> StepOutput:
-        """Queue one batch on the device without waiting for it. Input tokens that `previous` (the
-        step in flight) is sampling are read from its output on the device."""
-        self.staging.next_step()
-        fb, samplers, scored, pending = self.prepare(batch)
-        if pending is not None:
-            dst, src = pending
-            fb.input_ids[dst] = previous.tokens[src]
-        if self.graphs is not None and not scored and self.graphs.can_run(fb):
-            logits = self.graphs.run(fb)
-        else:
-            logits = self.forward(fb)
+    def launch(self, inputs: StepInputs, samplers: list[Sequence], scored: list, previous: StepOutput | None) -> StepOutput:
+        """Rank 0: queue one step on the device without waiting for it, and sample. Input tokens that
+        `previous` (the step in flight) is sampling are read from its output on the device."""
+        logits = self.run_step(inputs, previous.tokens if previous is not None else None)
         num_sampled = len(samplers)
         outputs = []  # fp32 values read back: sampled tokens' logprobs, then prompt logprobs
         tokens = None
         wanting = [i for i, s in enumerate(samplers) if s.logprobs is not None]
         if samplers:
             tokens = sample(logits[:num_sampled], self.sampling_batch(samplers))
+            self.tp.broadcast(tokens)  # the other ranks' next step may take input tokens from them
             if wanting:
                 rows = self._tensor(wanting, torch.int64)
                 lp = torch.log_softmax(logits[rows], dim=-1)
@@ -288,6 +306,15 @@ class ModelRunner:
             seq.num_pending += 1
         return StepOutput(samplers, wanting, [(seq, count) for seq, count, _ in scored], tokens,
                           torch.cat(outputs) if outputs else None, self.staging)
+
+    @torch.inference_mode()
+    def follow(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """A rank other than 0: the same step's forward, then rank 0's sampled tokens [S] (broadcast
+        on the device), which the next step's pending input tokens are read from."""
+        self.run_step(inputs, previous_tokens)
+        if inputs.num_sampled == 0:
+            return None
+        return self.tp.broadcast(torch.empty(inputs.num_sampled, dtype=torch.int64, device=self.device))
 
 
 class StepOutput:
@@ -304,10 +331,17 @@ class StepOutput:
             self._event = torch.cuda.Event()
             self._event.record()
 
-    def read(self) -> tuple[list[int], list[float], list[float]]:
-        """Wait for the step -> (sampled tokens, their logprobs for `wanting`, prompt logprobs)."""
+    def read(self, check: Callable[[], None] | None = None) -> tuple[list[int], list[float], list[float]]:
+        """Wait for the step -> (sampled tokens, their logprobs for `wanting`, prompt logprobs).
+        check: called while waiting, to raise if another tensor-parallel rank died (its collectives
+        would keep this step from ever finishing)."""
         if self._event is not None:
-            self._event.synchronize()
+            if check is None:
+                self._event.synchronize()
+            else:
+                while not self._event.query():
+                    check()
+                    time.sleep(1e-4)
         host = [t.tolist() for t in self._host]
         tokens = host.pop(0) if self.tokens is not None else []
         values = host.pop(0) if host else []

@@ -1,0 +1,75 @@
+"""One step's host-side inputs packed into one int64 tensor: every tensor-parallel rank builds the
+same ForwardBatch from it. Rank 0 builds it from the scheduled batch and, under tensor parallelism,
+sends the same bytes to the other ranks.
+
+Layout: [num_decode, num_sampled, decode_max_kv_len, prefill_max_q_len, size of each array], then
+the arrays in FIELDS order. The int32 arrays come last, so they form one tail that the device
+converts at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT64_FIELDS = (
+    "input_ids",  # [T], 0 where the token is still being sampled by the step in flight
+    "positions",  # [T]
+    "out_slots",  # [T]
+    "logits_indices",  # [S + scored], the samplers' tokens, then the prompt tokens scored
+    "pending_dst",  # [N], input_ids entries taken from the step in flight's sampled tokens...
+    "pending_src",  # [N], ...at these rows of them
+)
+INT32_FIELDS = (
+    "token_rows",  # [T]
+    "rows",  # [B], decodes first
+    "kv_lens",  # [B]
+    "q_start",  # [P], prefill chunks only
+    "q_lens",  # [P]
+)
+FIELDS = INT64_FIELDS + INT32_FIELDS
+SCALARS = ("num_decode", "num_sampled", "decode_max_kv_len", "prefill_max_q_len")
+HEADER = len(SCALARS) + len(FIELDS)
+
+
+@dataclass
+class StepInputs:
+    packed: torch.Tensor  # [HEADER + sum(sizes)] int64, on the host
+    num_decode: int
+    num_sampled: int  # sequences that sample a token: the first num_sampled logits rows
+    decode_max_kv_len: int
+    prefill_max_q_len: int
+    sizes: list[int]  # per FIELDS entry
+
+    @classmethod
+    def pack(cls, scalars: list[int], arrays: list) -> StepInputs:
+        """scalars in SCALARS order; arrays (lists or int64 tensors) in FIELDS order."""
+        parts = [a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=torch.int64) for a in arrays]
+        sizes = [p.numel() for p in parts]
+        header = torch.tensor(list(scalars) + sizes, dtype=torch.int64)
+        return cls(torch.cat([header, *parts]), *scalars, sizes)
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> StepInputs:
+        if packed.numel() < HEADER:
+            raise ValueError(f"a step message of {packed.numel()} values is shorter than its header")
+        header = packed[:HEADER].tolist()
+        sizes = header[len(SCALARS) :]
+        if min(sizes) < 0 or HEADER + sum(sizes) != packed.numel():
+            raise ValueError(f"a step message of {packed.numel()} values does not match its header {header}")
+        return cls(packed, *header[: len(SCALARS)], sizes)
+
+    @property
+    def num_logits(self) -> int:
+        return self.sizes[FIELDS.index("logits_indices")]
+
+    @property
+    def has_pending(self) -> bool:
+        return self.sizes[FIELDS.index("pending_dst")] > 0
+
+    def split(self, body: torch.Tensor) -> dict[str, torch.Tensor]:
+        """body: the packed values after the header (on any device) -> {field: int64 or int32 view}."""
+        n64 = sum(self.sizes[: len(INT64_FIELDS)])
+        parts = list(body[:n64].split(self.sizes[: len(INT64_FIELDS)]))
+        parts += body[n64:].to(torch.int32).split(self.sizes[len(INT64_FIELDS) :])
+        return dict(zip(FIELDS, parts))

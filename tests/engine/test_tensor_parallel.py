@@ -1,0 +1,204 @@
+"""Tensor parallelism: TP=2 gives TP=1's tokens on the tiny models (gloo on CPU; NCCL and CUDA graphs
+where two GPUs are visible), with default and squeezed settings (a tiny token budget that chunks
+prefill, a tiny KV pool that preempts), with a replicated KV head, with sampling and logprobs. A
+difference is tolerated only where TP=1's top-2 logits were within 1e-3 (an fp32 near-tie). A worker
+that raises or is killed gives one clear error and leaves no process behind; so does a killed parent.
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen import LLM, SamplingParams
+from batchgen.engine.tp_workers import TensorParallelError, TPWorkers
+from tests.tiny_models import VOCAB, load_hf, save_tokenizer
+
+DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+FAILURE_DEVICES = ["cpu"] + (["cuda"] if DEVICE == "cuda" else [])
+LENGTHS = [1, 3, 17, 40, 64, 29]
+SQUEEZED = dict(max_num_seqs=6, max_num_batched_tokens=12, kv_cache_tokens=80)  # chunks and preempts
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+
+
+def prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(VOCAB) for _ in range(n)] for n in LENGTHS]
+
+
+def generate(model_dir, tp, rows, sampling=GREEDY, device=DEVICE, **options):
+    llm = LLM(str(model_dir), dtype="float32", device=device, tensor_parallel_size=tp, **options)
+    try:
+        results = llm.generate_list(rows, sampling)
+        assert llm.engine.kv.num_free == llm.engine.kv.num_slots  # every slot back in the pool
+        return results
+    finally:
+        llm.close()
+
+
+def assert_same_tokens(model_dir, rows, expected, results):
+    hf = None
+    for row, a, b in zip(rows, expected, results):
+        ours, theirs = a["output_token_ids"], b["output_token_ids"]
+        i = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), None)
+        if i is None:
+            assert ours == theirs and a["finish_reason"] == b["finish_reason"]
+            continue
+        hf = hf or load_hf(model_dir)
+        with torch.no_grad():
+            top2 = hf(torch.tensor([row["prompt_token_ids"] + ours[:i]])).logits[0, -1].topk(2).values
+        assert float(top2[0] - top2[1]) < 1e-3, f"token {i}: TP=1 {ours} vs TP=2 {theirs}"
+
+
+def assert_tp_matches(model_dir, **options):
+    rows = [{"prompt_token_ids": p} for p in prompts()]
+    single = generate(model_dir, 1, rows, **options)
+    double = generate(model_dir, 2, rows, **options)
+    assert_same_tokens(model_dir, rows, single, double)
+    assert [r["num_preemptions"] for r in single] == [r["num_preemptions"] for r in double]
+    return double
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_squeezed_settings_match_tp1(kind, tiny_model):
+    results = assert_tp_matches(tiny_model(kind), **SQUEEZED)
+    assert sum(r["num_preemptions"] for r in results) > 0
+
+
+def test_sampling_and_logprobs_match_tp1(tiny_model):
+    """Default settings; seeded sampling (rank 0 samples, the others get its tokens by broadcast),
+    the sampled tokens' logprobs and prompt logprobs."""
+    model_dir = tiny_model("qwen2")
+    rows = [{"prompt_token_ids": p, "seed": i, "logprobs": True, "prompt_logprobs": True}
+            for i, p in enumerate(prompts())]
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8)
+    single, double = generate(model_dir, 1, rows, sampling), generate(model_dir, 2, rows, sampling)
+    assert_same_tokens(model_dir, rows, single, double)
+    for a, b in zip(single, double):
+        if a["output_token_ids"] == b["output_token_ids"]:
+            torch.testing.assert_close(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(b["prompt_logprobs"]), torch.tensor(a["prompt_logprobs"]),
+                                   atol=1e-4, rtol=0)
+
+
+def test_replicated_kv_head_matches_tp1(tmp_path):
+    """One KV head, two ranks: each rank holds a copy of it."""
+    import transformers as tf
+
+    torch.manual_seed(5)
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+                            tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    save_tokenizer(tmp_path)
+    assert_tp_matches(tmp_path, max_num_seqs=8, max_num_batched_tokens=16)
+
+
+def test_unsplittable_heads_fail_cleanly(tiny_model):
+    """3 ranks for 4 heads: rank 0's own error, raised as it is, and no worker left behind."""
+    before = {p.pid for p in _children()}
+    with pytest.raises(ValueError, match="attention heads .4. is not divisible"):
+        LLM(str(tiny_model("llama")), dtype="float32", device="cpu", tensor_parallel_size=3)
+    assert {p.pid for p in _children()} <= before
+
+
+def _children():
+    import multiprocessing
+
+    return multiprocessing.active_children()
+
+
+def _sabotage(monkeypatch, at_step, action):
+    """Call action(workers, data) instead of sending the at_step-th step's inputs."""
+    real_send, calls = TPWorkers.send, []
+
+    def send(self, inputs):
+        calls.append(1)
+        if len(calls) == at_step:
+            return action(self, inputs)
+        return real_send(self, inputs)
+
+    monkeypatch.setattr(TPWorkers, "send", send)
+
+
+def _run_until_failure(model_dir, device):
+    llm = LLM(str(model_dir), dtype="float32", device=device, tensor_parallel_size=2, max_num_seqs=8,
+              max_num_batched_tokens=16)
+    workers = llm.engine.workers
+    with pytest.raises(TensorParallelError) as failure:
+        llm.generate_list([{"prompt_token_ids": p} for p in prompts()], GREEDY)
+    assert all(p.exitcode is not None for p in workers.procs)  # ended and reaped
+    with pytest.raises(TensorParallelError):  # the engine stays failed
+        llm.engine.step()
+    return str(failure.value)
+
+
+@pytest.mark.parametrize("device", FAILURE_DEVICES)
+def test_worker_that_raises_gives_one_clear_error(device, tiny_model, monkeypatch):
+    def garbage(workers, inputs):
+        for conn in workers.steps:
+            conn.send_bytes(b"garbage!")
+
+    _sabotage(monkeypatch, 3, garbage)
+    message = _run_until_failure(tiny_model("llama"), device)
+    assert message.startswith("tensor-parallel rank 1 failed: ValueError: a step message of 1 values"), message
+
+
+@pytest.mark.parametrize("device", FAILURE_DEVICES)
+def test_killed_worker_gives_one_clear_error(device, tiny_model, monkeypatch):
+    real_send = TPWorkers.send
+
+    def kill(workers, inputs):
+        os.kill(workers.pids[0], signal.SIGKILL)
+        wait([workers.procs[0].sentinel])
+        real_send(workers, inputs)
+
+    _sabotage(monkeypatch, 3, kill)
+    message = _run_until_failure(tiny_model("llama"), device)
+    assert message == "tensor-parallel rank 1 failed: its process was killed by SIGKILL", message
+
+
+PARENT = """
+import json, sys
+from batchgen import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], dtype="float32", device=sys.argv[2], tensor_parallel_size=2)
+    print(json.dumps(llm.engine.workers.pids), flush=True)
+    while True:
+        llm.generate_list([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=50, ignore_eos=True))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's reaper is missing
+
+
+@pytest.mark.parametrize("device", FAILURE_DEVICES)
+def test_killed_parent_leaves_no_workers(device, tiny_model, tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    parent = subprocess.Popen([sys.executable, str(script), str(tiny_model("llama")), device],
+                              stdout=subprocess.PIPE, env=env)
+    try:
+        pids = json.loads(parent.stdout.readline())
+        time.sleep(0.5)  # mid-generation
+        assert all(_alive(pid) for pid in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), f"orphaned workers: {pids}"
