@@ -103,7 +103,7 @@ def _as_int_list(name: str, value: Any) -> list[int]:
     return [_as_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
 
 
-def _check_id(value: Any) -> str | int:
+def check_id(value: Any) -> str | int:
     if isinstance(value, str):
         if not value:
             raise RowError("id is an empty string")
@@ -212,7 +212,7 @@ class RowChecker:
         id_problem = None
         if data.get("id") is not None:
             try:
-                row_id = _check_id(data["id"])
+                row_id = check_id(data["id"])
             except RowError as e:
                 id_problem = str(e)
                 row_id = row.index

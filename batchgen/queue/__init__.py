@@ -1,0 +1,11 @@
+"""Many workers on one Redis: `submit` puts a file's rows on a request stream, `worker`s generate
+and answer on each job's result stream, `collect` writes a job's results as `batchgen run` would.
+protocol.py names the keys and fields."""
+
+from batchgen.queue.collect import CollectResult, CollectTimeout, collect_job
+from batchgen.queue.protocol import Keys, check_job_name, connect, redact
+from batchgen.queue.submit import SubmitError, SubmitResult, submit_job
+from batchgen.queue.worker import Worker, WorkerConfig
+
+__all__ = ["CollectResult", "CollectTimeout", "Keys", "SubmitError", "SubmitResult", "Worker", "WorkerConfig",
+           "check_job_name", "collect_job", "connect", "redact", "submit_job"]

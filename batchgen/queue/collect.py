@@ -1,0 +1,176 @@
+"""`batchgen collect`: a job's result stream into the same Parquet file as `batchgen run` writes.
+
+Reads the result stream from its start (XREAD, no consumer group: collecting never changes what
+workers see, and can be repeated), keeps the first result of each row, and when every row of the job
+has one, writes the file through the Parquet sink (part files in a temporary directory beside OUTPUT,
+merged and renamed into place). A row can be answered twice (by a worker that wrote its result just
+before a restart lost the acknowledgement); the second answer is counted and dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import redis
+
+from batchgen.io.resume import JobError
+from batchgen.io.rows import ROW_KEY
+from batchgen.io.sinks import Layout, PartWriter, Totals, merge_parts
+from batchgen.queue.protocol import Backoff, Keys, is_retryable, text
+from batchgen.version import __version__
+
+log = logging.getLogger("batchgen.collect")
+
+
+class CollectTimeout(Exception):
+    def __init__(self, job: str, rows: int, missing: np.ndarray, waited: float) -> None:
+        self.rows, self.missing = rows, len(missing)
+        sample = ", ".join(str(i) for i in missing[:10]) + (", ..." if len(missing) > 10 else "")
+        super().__init__(f"timed out after {waited:.0f}s: {len(missing)} of {rows} rows of job {job!r} have no result "
+                         f"yet (row positions {sample}); rerun collect to wait longer")
+
+
+@dataclass
+class CollectResult:
+    rows: int  # rows of the job
+    extra: int = 0  # results of messages that no submitted row made (a malformed message of another producer)
+    duplicates: int = 0  # second answers, dropped
+    unreadable: int = 0  # result entries that are not JSON, skipped
+    totals: Totals | None = None
+    metadata: dict = field(default_factory=dict)
+
+
+def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout_s: float | None = None,
+                should_stop: Callable[[], bool] = lambda: False, delete: bool = False) -> CollectResult:
+    started = time.monotonic()
+    deadline = None if timeout_s is None else started + timeout_s
+    backoff = Backoff()
+
+    def call(fn, *args, **kwargs):
+        """fn(...), retried while Redis is unreachable, until the deadline."""
+        while True:
+            try:
+                value = fn(*args, **kwargs)
+                backoff.succeeded()
+                return value
+            except redis.RedisError as e:
+                if not is_retryable(e):
+                    raise
+                delay = backoff.failed()
+                if backoff.failures == 1:
+                    log.warning("redis: %s: %s; retrying", type(e).__name__, e)
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                if should_stop():
+                    raise KeyboardInterrupt from None
+
+    info = {text(k): text(v) for k, v in call(client.hgetall, keys.job(job)).items()}
+    if not info:
+        raise JobError(f"no job {job!r} under prefix {keys.prefix!r}: submit it first (or check --prefix)")
+    rows = int(info["rows"])
+    schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(info["schema"]))) if info.get("schema") else None
+    layout = Layout(schema)
+    result = CollectResult(rows)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{output.name}.collect-", dir=output.parent) as tmp:
+        writer = PartWriter(Path(tmp), layout, flush_rows=1000, flush_seconds=float("inf"))
+        done = np.zeros(rows, dtype=bool)
+        have = 0
+        extra_keys: set[str] = set()
+        last_id = "0-0"
+        while have < rows:
+            if should_stop():
+                raise KeyboardInterrupt
+            block_ms = 1000
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CollectTimeout(job, rows, np.flatnonzero(~done), time.monotonic() - started)
+                block_ms = max(1, min(block_ms, int(left * 1000)))
+            try:
+                reply = call(client.xread, {keys.results(job): last_id}, count=1000, block=block_ms)
+            except redis.RedisError as e:
+                if not is_retryable(e):
+                    raise
+                continue  # unreachable until the deadline: the loop reports the timeout
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    last_id = text(entry_id)
+                    fields = {text(k): text(v) for k, v in fields.items()}
+                    try:
+                        row = json.loads(fields["result"])
+                        assert isinstance(row, dict)
+                    except (KeyError, ValueError, AssertionError, RecursionError):
+                        result.unreadable += 1
+                        log.warning("result %s of job %s is not a JSON object; skipped", last_id, job)
+                        continue
+                    index = fields.get("index")
+                    if index is not None and index.isdigit() and int(index) < rows:
+                        index = int(index)
+                        if done[index]:
+                            result.duplicates += 1
+                            continue
+                        done[index] = True
+                        have += 1
+                        row[ROW_KEY] = index
+                    else:
+                        key = fields.get("request") or last_id
+                        if key in extra_keys:
+                            result.duplicates += 1
+                            continue
+                        extra_keys.add(key)
+                        row[ROW_KEY] = rows + len(extra_keys) - 1
+                        result.extra += 1
+                    if row.get("output_token_ids") is None:
+                        row["output_token_ids"] = []
+                    writer.add(row)
+        writer.flush()
+
+        workers = {text(k): _json_object(text(v)) for k, v in call(client.hgetall, keys.workers(job)).items()}
+        last_ms = int(last_id.split("-")[0])
+        job_seconds = max(0.0, last_ms / 1000 - float(info.get("created") or last_ms / 1000))
+
+        def metadata(totals: Totals) -> dict:
+            meta = _common(list(workers.values()))
+            meta.update(
+                job=job, prefix=keys.prefix, input=info.get("input"), batchgen_version=__version__,
+                workers=sorted(workers), rows=totals.rows, rows_ok=totals.rows_ok, rows_error=totals.rows_error,
+                rows_extra=result.extra, duplicates_dropped=result.duplicates, prompt_tokens=totals.prompt_tokens,
+                output_tokens=totals.output_tokens, job_seconds=round(job_seconds, 3),
+                output_tokens_per_s=round(totals.output_tokens / job_seconds, 2) if job_seconds > 0 else None,
+                wall_seconds=round(time.monotonic() - started, 3),
+                e2e_s=totals.percentiles("e2e_s"), ttft_s=totals.percentiles("ttft_s"),
+            )
+            result.metadata = meta
+            return meta
+
+        result.totals = merge_parts(Path(tmp), output, layout, metadata, should_stop=should_stop)
+    if delete:
+        call(client.delete, keys.job(job), keys.results(job), keys.workers(job))
+    return result
+
+
+def _common(descriptions: list[dict]) -> dict:
+    """The settings every worker of the job had in common (model, dtype, sampling defaults, ...)."""
+    if not descriptions:
+        return {}
+    first, rest = descriptions[0], descriptions[1:]
+    return {k: v for k, v in first.items() if all(d.get(k) == v for d in rest)}
+
+
+def _json_object(value: str) -> dict:
+    try:
+        data = json.loads(value)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
