@@ -7,18 +7,24 @@ Exit codes: 0 done (rows that failed are in the output with finish_reason "error
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 from rich.console import Console
+
+if TYPE_CHECKING:  # the engine's imports (torch) wait until a command needs them
+    from batchgen import SamplingParams
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_ROW_ERRORS, EXIT_INTERRUPTED = 0, 1, 2, 65, 75
 
@@ -81,6 +87,7 @@ def _env(name: str) -> str:
 ENGINE = "Engine"
 SAMPLING = "Sampling defaults (per-row columns override them)"
 JOB = "Job"
+QUEUE = "Queue"
 
 
 def _fail(message: str, code: int = EXIT_FAILURE) -> typer.Exit:
@@ -119,49 +126,137 @@ class _Signals:
         raise KeyboardInterrupt
 
 
+def _option(name: str, annotation, default, *decls: str, panel: str, **kwargs) -> inspect.Parameter:
+    """One command-line option that also reads BATCHGEN_<NAME>, as a parameter for `_with_options`."""
+    option = typer.Option(default, *(decls or (f"--{name.replace('_', '-')}",)), envvar=_env(name.upper()),
+                          rich_help_panel=panel, **kwargs)
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+
+
+ENGINE_OPTIONS = (
+    _option("model", Optional[str], None, panel=ENGINE,
+            help="Local HF model directory (or hub id where a hub is reachable). "
+                 "Default: the embedded SmolLM2-135M-Instruct."),
+    _option("dtype", Dtype, Dtype.auto, panel=ENGINE,
+            help="Weights and activations dtype; auto: the checkpoint's half dtype on CUDA; on CPU bfloat16 "
+                 "where the CPU has native bf16, else float32."),
+    _option("device", Device, Device.auto, panel=ENGINE, help="auto: CUDA if available, else CPU."),
+    _option("tensor_parallel_size", int, 1, "-tp", "--tensor-parallel-size", panel=ENGINE,
+            help="GPUs to split the model over."),
+    _option("max_num_seqs", int, 256, panel=ENGINE, help="Most sequences in one batch."),
+    _option("max_num_batched_tokens", Optional[int], None, panel=ENGINE,
+            help="Token budget of one step (prefill chunks + decodes). Default: chosen by the engine."),
+    _option("gpu_memory_utilization", float, 0.9, panel=ENGINE, help="Share of GPU memory the engine may use."),
+    _option("max_model_len", Optional[int], None, panel=ENGINE,
+            help="Longest prompt + output, in tokens. Default: the model's."),
+    _option("kv_cache_tokens", Optional[int], None, panel=ENGINE,
+            help="KV cache size in tokens. Default: from the memory budget."),
+)
+SAMPLING_OPTIONS = (
+    _option("max_tokens", int, 256, panel=SAMPLING, help="Most tokens to generate for a row."),
+    _option("min_tokens", int, 0, panel=SAMPLING,
+            help="Fewest tokens to generate before EOS or a stop may end a row."),
+    _option("temperature", float, 1.0, panel=SAMPLING, help="0 = greedy."),
+    _option("top_p", float, 1.0, panel=SAMPLING),
+    _option("top_k", int, -1, panel=SAMPLING, help="-1 or 0 = off."),
+    _option("stop", Optional[List[str]], None, panel=SAMPLING, help="A stop string (repeat for several)."),
+    _option("ignore_eos", bool, False, panel=SAMPLING, help="Generate past EOS, up to --max-tokens."),
+    _option("seed", int, 0, panel=SAMPLING,
+            help="Job seed: a row without its own seed gets one derived from (seed, id)."),
+)
+QUEUE_OPTIONS = (
+    _option("redis_url", str, ..., panel=QUEUE, show_default=False, metavar="URL",
+            help="redis://[user:password@]host[:port][/db], rediss:// for TLS, or unix:///path/to/socket. "
+                 "Prefer BATCHGEN_REDIS_URL for a password: the command line is visible to other users."),
+    _option("prefix", str, "batchgen", panel=QUEUE, help="Prefix of every Redis key batchgen uses."),
+)
+
+
+def _with_options(*groups: tuple[inspect.Parameter, ...]):
+    """Gives a command the shared options of `groups` (after its arguments, before its own options);
+    its function receives their values as one dict, `options`."""
+    shared = [p for group in groups for p in group]
+
+    def decorate(func):
+        own = [p for p in inspect.signature(func, eval_str=True).parameters.values() if p.name != "options"]
+        arguments = [p for p in own if isinstance(p.default, typer.models.ArgumentInfo)]
+        rest = [p for p in own if p not in arguments]
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in arguments] + shared
+        params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in rest]
+
+        @functools.wraps(func)
+        def command(**kwargs):
+            options = {p.name: kwargs.pop(p.name) for p in shared}
+            return func(options=options, **kwargs)
+
+        command.__signature__ = inspect.Signature(params)
+        return command
+
+    return decorate
+
+
+@dataclass
+class _EngineSetup:
+    model: Optional[str]
+    engine_options: dict
+    sampling: SamplingParams
+    settings: dict  # what shapes the output: resume's fingerprint, a worker's description
+
+    def make_llm(self):
+        from batchgen import LLM
+
+        try:
+            return LLM(model=self.model, **self.engine_options)
+        except (ValueError, FileNotFoundError) as e:
+            raise _BadSetting(str(e)) from None
+
+
+def _engine_setup(options: dict) -> _EngineSetup:
+    """The engine and sampling options, checked (a bad value is a usage error)."""
+    from batchgen import EngineConfig, SamplingParams
+
+    o = options
+    try:
+        sampling = SamplingParams(max_tokens=o["max_tokens"], min_tokens=o["min_tokens"], temperature=o["temperature"],
+                                  top_p=o["top_p"], top_k=o["top_k"], stop=list(o["stop"] or []),
+                                  ignore_eos=o["ignore_eos"])
+    except ValueError as e:
+        raise _UsageError(f"invalid sampling default: {e}") from None
+    engine_options = dict(
+        dtype=o["dtype"].value, device=o["device"].value, tensor_parallel_size=o["tensor_parallel_size"],
+        max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
+        gpu_memory_utilization=o["gpu_memory_utilization"], max_model_len=o["max_model_len"],
+        kv_cache_tokens=o["kv_cache_tokens"], seed=o["seed"],
+    )
+    try:
+        EngineConfig(model=o["model"], **engine_options)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    settings = {
+        "model": o["model"] or "default", "dtype": o["dtype"].value, "device": o["device"].value,
+        "max_model_len": o["max_model_len"], "kv_cache_tokens": o["kv_cache_tokens"], "seed": o["seed"],
+        "max_tokens": o["max_tokens"], "min_tokens": o["min_tokens"], "temperature": o["temperature"],
+        "top_p": o["top_p"], "top_k": sampling.top_k, "stop": sampling.stop, "ignore_eos": o["ignore_eos"],
+    }
+    return _EngineSetup(o["model"], engine_options, sampling, settings)
+
+
+def _check_input(input: Path) -> None:
+    from batchgen.io.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES
+
+    if not input.is_file():
+        raise typer.BadParameter(f"{str(input)!r} is not a file", param_hint="'INPUT'")
+    if input.suffix.lower() not in (*JSONL_SUFFIXES, *PARQUET_SUFFIXES):
+        raise typer.BadParameter(f"{str(input)!r}: name it *.jsonl or *.parquet", param_hint="'INPUT'")
+
+
 @app.command(no_args_is_help=True)
+@_with_options(ENGINE_OPTIONS, SAMPLING_OPTIONS)
 def run(
     input: Path = typer.Argument(..., help="Prompts: a .jsonl file (one JSON object a line) or a .parquet file.",
                                  show_default=False),
     output: Path = typer.Argument(..., help="Results: a Parquet file, written when the job completes.",
                                   show_default=False),
-    model: Optional[str] = typer.Option(None, "--model", envvar=_env("MODEL"), rich_help_panel=ENGINE,
-                                        help="Local HF model directory (or hub id where a hub is reachable). "
-                                             "Default: the embedded SmolLM2-135M-Instruct."),
-    dtype: Dtype = typer.Option(Dtype.auto, "--dtype", envvar=_env("DTYPE"), rich_help_panel=ENGINE,
-                                help="Weights and activations dtype; auto: the checkpoint's on CUDA, float32 on CPU."),
-    device: Device = typer.Option(Device.auto, "--device", envvar=_env("DEVICE"), rich_help_panel=ENGINE,
-                                  help="auto: CUDA if available, else CPU."),
-    tensor_parallel_size: int = typer.Option(1, "-tp", "--tensor-parallel-size", envvar=_env("TENSOR_PARALLEL_SIZE"),
-                                             rich_help_panel=ENGINE, help="GPUs to split the model over."),
-    max_num_seqs: int = typer.Option(256, "--max-num-seqs", envvar=_env("MAX_NUM_SEQS"), rich_help_panel=ENGINE,
-                                     help="Most sequences in one batch."),
-    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens",
-                                                         envvar=_env("MAX_NUM_BATCHED_TOKENS"), rich_help_panel=ENGINE,
-                                                         help="Token budget of one step (prefill chunks + decodes). "
-                                                              "Default: chosen by the engine."),
-    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization", envvar=_env("GPU_MEMORY_UTILIZATION"),
-                                                 rich_help_panel=ENGINE, help="Share of GPU memory the engine may use."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", envvar=_env("MAX_MODEL_LEN"),
-                                                rich_help_panel=ENGINE,
-                                                help="Longest prompt + output, in tokens. Default: the model's."),
-    kv_cache_tokens: Optional[int] = typer.Option(None, "--kv-cache-tokens", envvar=_env("KV_CACHE_TOKENS"),
-                                                  rich_help_panel=ENGINE,
-                                                  help="KV cache size in tokens. Default: from the memory budget."),
-    max_tokens: int = typer.Option(256, "--max-tokens", envvar=_env("MAX_TOKENS"), rich_help_panel=SAMPLING,
-                                   help="Most tokens to generate for a row."),
-    min_tokens: int = typer.Option(0, "--min-tokens", envvar=_env("MIN_TOKENS"), rich_help_panel=SAMPLING,
-                                   help="Fewest tokens to generate before EOS or a stop may end a row."),
-    temperature: float = typer.Option(1.0, "--temperature", envvar=_env("TEMPERATURE"), rich_help_panel=SAMPLING,
-                                      help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", envvar=_env("TOP_P"), rich_help_panel=SAMPLING),
-    top_k: int = typer.Option(-1, "--top-k", envvar=_env("TOP_K"), rich_help_panel=SAMPLING, help="-1 or 0 = off."),
-    stop: Optional[List[str]] = typer.Option(None, "--stop", envvar=_env("STOP"), rich_help_panel=SAMPLING,
-                                             help="A stop string (repeat for several)."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", envvar=_env("IGNORE_EOS"), rich_help_panel=SAMPLING,
-                                    help="Generate past EOS, up to --max-tokens."),
-    seed: int = typer.Option(0, "--seed", envvar=_env("SEED"), rich_help_panel=SAMPLING,
-                             help="Job seed: a row without its own seed gets one derived from (seed, id)."),
     shard: Optional[str] = typer.Option(None, "--shard", envvar=_env("SHARD"), rich_help_panel=JOB, metavar="I/N",
                                         help="Generate only rows whose index % N == I (0 <= I < N)."),
     resume: bool = typer.Option(True, "--resume/--no-resume", envvar=_env("RESUME"), rich_help_panel=JOB,
@@ -175,6 +270,7 @@ def run(
                                         min=0.0, help="... or every this many seconds."),
     log_every: float = typer.Option(10.0, "--log-every", envvar=_env("LOG_EVERY"), rich_help_panel=JOB, min=0.0,
                                     help="Seconds between progress lines when stdout is not a terminal."),
+    options: dict = None,
 ) -> None:
     """Generate a completion for every row of INPUT and write them, with per-request metrics, to OUTPUT.
 
@@ -184,44 +280,17 @@ def run(
     """
     started = time.monotonic()
     from batchgen.io import InputError, JobError, JobSpec, Shard, run_job
-    from batchgen.io.sources import JSONL_SUFFIXES, PARQUET_SUFFIXES
 
     try:
         job_shard = Shard.parse(shard)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="'--shard'") from None
-    if not input.is_file():
-        raise typer.BadParameter(f"{str(input)!r} is not a file", param_hint="'INPUT'")
-    if input.suffix.lower() not in (*JSONL_SUFFIXES, *PARQUET_SUFFIXES):
-        raise typer.BadParameter(f"{str(input)!r}: name it *.jsonl or *.parquet", param_hint="'INPUT'")
+    _check_input(input)
     if output.resolve() == input.resolve():
         raise typer.BadParameter("OUTPUT would overwrite INPUT", param_hint="'OUTPUT'")
 
-    from batchgen import LLM, EngineConfig, SamplingParams
-
-    try:
-        sampling = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, stop=list(stop or []), ignore_eos=ignore_eos)
-    except ValueError as e:
-        raise _UsageError(f"invalid sampling default: {e}") from None
-    engine_options = dict(
-        dtype=dtype.value, device=device.value, tensor_parallel_size=tensor_parallel_size, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-        max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens, seed=seed,
-    )
-    try:
-        EngineConfig(model=model, **engine_options)
-    except ValueError as e:
-        raise _UsageError(str(e)) from None
-
-    # What shapes the output: a leftover written with other values of these is not resumed.
-    settings = {
-        "model": model or "default", "dtype": dtype.value, "device": device.value, "max_model_len": max_model_len,
-        "kv_cache_tokens": kv_cache_tokens, "seed": seed, "max_tokens": max_tokens, "min_tokens": min_tokens,
-        "temperature": temperature, "top_p": top_p, "top_k": sampling.top_k, "stop": sampling.stop,
-        "ignore_eos": ignore_eos,
-    }
-    spec = JobSpec(input=input, output=output, settings=settings, shard=job_shard, resume=resume,
+    setup = _engine_setup(options)
+    spec = JobSpec(input=input, output=output, settings=setup.settings, shard=job_shard, resume=resume,
                    flush_rows=flush_rows, flush_seconds=flush_seconds)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
@@ -229,16 +298,10 @@ def run(
     console = Console(highlight=False, soft_wrap=True, markup=False)
     from batchgen.progress import make_progress, summary_lines
 
-    def make_llm():
-        try:
-            return LLM(model=model, **engine_options)
-        except (ValueError, FileNotFoundError) as e:
-            raise _BadSetting(str(e)) from None
-
     stop_event = threading.Event()
     try:
         with _Signals(stop_event) as signals:
-            result = run_job(spec, make_llm, sampling, stop_event, make_progress(console, log_every),
+            result = run_job(spec, setup.make_llm, setup.sampling, stop_event, make_progress(console, log_every),
                              on_generation=signals.on_generation, started=started)
     except _BadSetting as e:
         raise _fail(str(e), EXIT_USAGE) from None
@@ -272,6 +335,231 @@ def run(
 
 class _BadSetting(Exception):
     """An engine option the engine refused (ValueError) or a model it could not find."""
+
+
+EXIT_TIMEOUT = 124  # collect: not every row had a result in time (as timeout(1) exits)
+
+
+class LogFormat(str, Enum):
+    text = "text"
+    json = "json"
+
+
+def _queue(options: dict, job: Optional[str] = None):
+    """-> (Keys, a Redis client) for the queue options; a bad prefix, job name or URL is a usage error."""
+    from batchgen.queue import Keys, check_job_name, connect
+
+    try:
+        keys = Keys(options["prefix"])
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="'--prefix'") from None
+    if job is not None:
+        try:
+            check_job_name(job)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="'--job'") from None
+    try:
+        client = connect(options["redis_url"])
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="'--redis-url'") from None
+    return keys, client
+
+
+def _redis_failure(error: Exception, options: dict, what: str) -> typer.Exit:
+    from batchgen.queue import redact
+
+    return _fail(f"redis at {redact(options['redis_url'])}: {type(error).__name__}: {error}; {what}")
+
+
+JOB_NAME = dict(envvar=_env("JOB"), rich_help_panel=QUEUE, show_default=False, metavar="NAME",
+                help="The job's name: up to 200 letters, digits and . _ @ + = - (no ':').")
+
+
+@app.command(no_args_is_help=True)
+@_with_options(QUEUE_OPTIONS)
+def submit(
+    input: Path = typer.Argument(..., help="Prompts: a .jsonl file (one JSON object a line) or a .parquet file.",
+                                 show_default=False),
+    job: str = typer.Option(..., "--job", **JOB_NAME),
+    options: dict = None,
+) -> None:
+    """Put every row of INPUT on the request stream as job NAME, for `batchgen worker`s to generate.
+
+    Rows get the same checks as in `batchgen run`; a row that fails them gets its error result on the
+    job's result stream at once. Submitting the same INPUT as the same job again adds nothing twice:
+    an interrupted submit continues where it stopped, a finished one does nothing.
+    """
+    import redis
+
+    from batchgen.io import InputError
+    from batchgen.queue import SubmitError, redact, submit_job
+
+    _check_input(input)
+    keys, client = _queue(options, job)
+    try:
+        result = submit_job(client, keys, job, input)
+    except (InputError, SubmitError) as e:
+        raise _fail(str(e)) from None
+    except redis.RedisError as e:
+        raise _redis_failure(e, options, "rerun submit: it continues where it stopped") from None
+    where = f"{keys.requests} at {redact(options['redis_url'])}"
+    if result.queued == 0 and result.errors == 0:
+        print(f"job {job}: all {result.rows} rows were submitted before; nothing to add")
+        return
+    earlier = f"; {result.earlier} rows were submitted before" if result.earlier else ""
+    print(f"job {job}: {result.queued} requests added to {where}, {result.errors} rows failed the checks "
+          f"(their error results are in {keys.results(job)}){earlier}; {result.rows} rows in all")
+
+
+@app.command()
+@_with_options(QUEUE_OPTIONS, ENGINE_OPTIONS, SAMPLING_OPTIONS)
+def worker(
+    consumer: Optional[str] = typer.Option(None, "--consumer", envvar=_env("CONSUMER"), rich_help_panel=QUEUE,
+                                           help="This worker's name in the consumer group. Default: HOST-PID."),
+    claim_idle_seconds: float = typer.Option(60.0, "--claim-idle-seconds", envvar=_env("CLAIM_IDLE_SECONDS"),
+                                             rich_help_panel=QUEUE,
+                                             help="Take over a request that another worker has held this long "
+                                                  "without a sign of life (that worker died)."),
+    max_deliveries: int = typer.Option(3, "--max-deliveries", envvar=_env("MAX_DELIVERIES"), rich_help_panel=QUEUE,
+                                       help="A request delivered this many times without a result goes to the "
+                                            "dead-letter stream, with an error result."),
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", envvar=_env("DRAIN_TIMEOUT"), rich_help_panel=QUEUE,
+                                        help="On SIGTERM, finish in-flight requests for at most this many seconds; "
+                                             "the rest go back to the stream."),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", envvar=_env("METRICS_PORT"),
+                                               rich_help_panel=QUEUE,
+                                               help="Serve Prometheus metrics on this port "
+                                                    "(0: any free port, logged)."),
+    log_format: LogFormat = typer.Option(LogFormat.text, "--log-format", envvar=_env("LOG_FORMAT"),
+                                         rich_help_panel=QUEUE, help="json: one JSON object a line."),
+    options: dict = None,
+) -> None:
+    """Generate requests from the request stream until SIGTERM: any number of workers, on any hosts,
+    share one Redis.
+
+    Requests flow into the running engine as it has room; each result goes to its job's result
+    stream, then the request is acknowledged. The requests of a worker that dies are taken over by
+    the others after --claim-idle-seconds. SIGTERM/SIGINT: read no more, finish what is in flight
+    (up to --drain-timeout), hand the rest back, exit 0; a second signal stops at once.
+    """
+    import socket
+
+    import redis
+
+    from batchgen.logs import setup_logging
+    from batchgen.queue import Worker, WorkerConfig, redact
+    from batchgen.queue.metrics import WorkerMetrics
+    from batchgen.queue.protocol import FATAL
+
+    setup = _engine_setup(options)
+    keys, client = _queue(options)
+    name = consumer or f"{socket.gethostname()}-{os.getpid()}"
+    try:
+        config = WorkerConfig(consumer=name, claim_idle_s=claim_idle_seconds, max_deliveries=max_deliveries,
+                              drain_timeout_s=drain_timeout,
+                              max_in_flight=2 * setup.engine_options["max_num_seqs"])
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    if metrics_port is not None and not 0 <= metrics_port <= 65535:
+        raise typer.BadParameter("a port number, 0 to 65535", param_hint="'--metrics-port'")
+    setup_logging(log_format.value)
+    log = logging.getLogger("batchgen.worker")
+
+    running: list = []  # the Worker, once the engine is up
+
+    def on_signal(signum, frame) -> None:
+        if not running:
+            raise KeyboardInterrupt  # still loading: nothing taken yet, nothing to finish
+        worker_, sig = running[0], signal.Signals(signum).name
+        if worker_.draining.is_set():
+            log.warning("%s again: stopping now; unfinished requests go back to the stream", sig)
+        else:
+            log.info("%s: draining: no more reading; finishing %d in-flight requests (at most %gs)", sig,
+                     len(worker_.in_flight), drain_timeout,
+                     extra={"event": "draining", "in_flight": len(worker_.in_flight),
+                            "results": worker_.counts["results"]})
+        worker_.drain()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    metrics = None
+    try:
+        log.info("worker %s: loading the engine; queue %s at %s", name, keys.requests, redact(options["redis_url"]))
+        llm = setup.make_llm()
+        metrics = WorkerMetrics(llm)
+        if metrics_port is not None:
+            port = metrics.serve(metrics_port)
+            log.info("metrics on http://0.0.0.0:%d/metrics", port, extra={"event": "metrics", "port": port})
+        description = {**llm.describe(), "sampling": setup.settings, "host": socket.gethostname()}
+        running.append(Worker(client, keys, llm, setup.sampling, config, metrics, description))
+        log.info("worker %s: serving %s (group workers, claim idle %gs, max deliveries %d)", name, keys.requests,
+                 claim_idle_seconds, max_deliveries, extra={"event": "serving", "consumer": name})
+        running[0].run()
+    except KeyboardInterrupt:
+        log.info("stopped before taking any request")
+    except _BadSetting as e:
+        raise _fail(str(e), EXIT_USAGE) from None
+    except FATAL as e:
+        raise _redis_failure(e, options, "check the user and password of --redis-url") from None
+    except redis.RedisError as e:
+        raise _redis_failure(e, options, "stopping") from None
+    except Exception as e:
+        if os.environ.get("BATCHGEN_DEBUG"):
+            raise
+        raise _fail(f"{type(e).__name__}: {e} (set BATCHGEN_DEBUG=1 for the traceback)") from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if metrics is not None:
+            metrics.close()
+
+
+@app.command(no_args_is_help=True)
+@_with_options(QUEUE_OPTIONS)
+def collect(
+    output: Path = typer.Argument(..., help="Results: a Parquet file, written when every row has a result.",
+                                  show_default=False),
+    job: str = typer.Option(..., "--job", **JOB_NAME),
+    timeout: Optional[float] = typer.Option(None, "--timeout", envvar=_env("TIMEOUT"), rich_help_panel=QUEUE,
+                                            min=0.0, show_default=False,
+                                            help=f"Give up after this many seconds (exit {EXIT_TIMEOUT}). "
+                                                 "Default: wait as long as it takes."),
+    delete: bool = typer.Option(False, "--delete", envvar=_env("DELETE"), rich_help_panel=QUEUE,
+                                help="Once OUTPUT is written, delete the job's keys from Redis."),
+    options: dict = None,
+) -> None:
+    """Wait until every row of job NAME has a result, then write them to OUTPUT: the same Parquet file
+    as `batchgen run` writes, one row per submitted row."""
+    import redis
+
+    from batchgen.io import JobError
+    from batchgen.queue import CollectTimeout, collect_job
+
+    keys, client = _queue(options, job)
+    if output.is_dir():
+        raise typer.BadParameter(f"{str(output)!r} is a directory; give a file name such as out.parquet",
+                                 param_hint="'OUTPUT'")
+    stop_event = threading.Event()
+    try:
+        with _Signals(stop_event):
+            result = collect_job(client, keys, job, output, timeout, should_stop=stop_event.is_set, delete=delete)
+    except CollectTimeout as e:
+        raise _fail(str(e), EXIT_TIMEOUT) from None
+    except JobError as e:
+        raise _fail(str(e)) from None
+    except redis.RedisError as e:
+        raise _redis_failure(e, options, "rerun collect") from None
+    except KeyboardInterrupt:
+        print("batchgen: interrupted; nothing written (the results stay in Redis: rerun collect)", file=sys.stderr)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    meta = result.metadata
+    extra = f", {result.extra} extra (messages no submitted row made)" if result.extra else ""
+    print(f"done: {meta['rows']} rows ({meta['rows_ok']} ok, {meta['rows_error']} errors{extra}) -> {output}")
+    speed = f", {meta['output_tokens_per_s']:,.1f} output tok/s" if meta.get("output_tokens_per_s") else ""
+    print(f"tokens: {meta['prompt_tokens']:,} prompt, {meta['output_tokens']:,} output; job took "
+          f"{meta['job_seconds']:.1f}s from submit to last result{speed}; workers: {len(meta['workers'])}; "
+          f"{result.duplicates} duplicate results dropped")
+    if result.unreadable:
+        print(f"batchgen: {result.unreadable} result entries were not JSON and were skipped", file=sys.stderr)
 
 
 @app.command()
