@@ -199,8 +199,8 @@ class TPWorkers:
             proc.join()
         for conn in self.steps + self.lives:
             conn.close()
-        if self.tp is not None and self.failure is not None:
-            self.tp.abort()
+        if self.tp is not None and (self.failure is not None or self.device.type == "cuda"):
+            self.tp.abort()  # NCCL: free rank 0's communicators without waiting on peers that are gone
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 

@@ -22,7 +22,7 @@ from batchgen.engine.tp_workers import TensorParallelError, TPWorkers
 from tests.tiny_models import VOCAB, load_hf, save_tokenizer
 
 DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
-FAILURE_DEVICES = ["cpu"] + (["cuda"] if DEVICE == "cuda" else [])
+FAILURE_DEVICES = [DEVICE]
 LENGTHS = [1, 3, 17, 40, 64, 29]
 SQUEEZED = dict(max_num_seqs=6, max_num_batched_tokens=12, kv_cache_tokens=80)  # chunks and preempts
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
@@ -115,6 +115,45 @@ def _children():
     return multiprocessing.active_children()
 
 
+PARENT = """
+import json, sys
+from batchgen import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], dtype="float32", device=sys.argv[2], tensor_parallel_size=2)
+    print(json.dumps(llm.engine.workers.pids), flush=True)
+    while True:
+        llm.generate_list([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=50, ignore_eos=True))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's reaper is missing
+
+
+@pytest.mark.parametrize("device", FAILURE_DEVICES)
+def test_killed_parent_leaves_no_workers(device, tiny_model, tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    parent = subprocess.Popen([sys.executable, str(script), str(tiny_model("llama")), device],
+                              stdout=subprocess.PIPE, env=env)
+    try:
+        pids = json.loads(parent.stdout.readline())
+        time.sleep(0.5)  # mid-generation
+        assert all(_alive(pid) for pid in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), f"orphaned workers: {pids}"
+
+
 def _sabotage(monkeypatch, at_step, action):
     """Call action(workers, data) instead of sending the at_step-th step's inputs."""
     real_send, calls = TPWorkers.send, []
@@ -163,42 +202,3 @@ def test_killed_worker_gives_one_clear_error(device, tiny_model, monkeypatch):
     _sabotage(monkeypatch, 3, kill)
     message = _run_until_failure(tiny_model("llama"), device)
     assert message == "tensor-parallel rank 1 failed: its process was killed by SIGKILL", message
-
-
-PARENT = """
-import json, sys
-from batchgen import LLM, SamplingParams
-if __name__ == "__main__":
-    llm = LLM(sys.argv[1], dtype="float32", device=sys.argv[2], tensor_parallel_size=2)
-    print(json.dumps(llm.engine.workers.pids), flush=True)
-    while True:
-        llm.generate_list([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=50, ignore_eos=True))
-"""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"  # a zombie has exited; only its parent's reaper is missing
-
-
-@pytest.mark.parametrize("device", FAILURE_DEVICES)
-def test_killed_parent_leaves_no_workers(device, tiny_model, tmp_path):
-    script = tmp_path / "parent.py"
-    script.write_text(PARENT)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    parent = subprocess.Popen([sys.executable, str(script), str(tiny_model("llama")), device],
-                              stdout=subprocess.PIPE, env=env)
-    try:
-        pids = json.loads(parent.stdout.readline())
-        time.sleep(0.5)  # mid-generation
-        assert all(_alive(pid) for pid in pids)
-    finally:
-        parent.kill()
-        parent.wait()
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids), f"orphaned workers: {pids}"
