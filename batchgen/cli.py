@@ -403,6 +403,9 @@ def submit(
     except redis.RedisError as e:
         raise _redis_failure(e, options, "rerun submit: it continues where it stopped") from None
     where = f"{keys.requests} at {redact(options['redis_url'])}"
+    if result.rows == 0:
+        print(f"job {job}: {input} has no rows; nothing to add")
+        return
     if result.queued == 0 and result.errors == 0:
         print(f"job {job}: all {result.rows} rows were submitted before; nothing to add")
         return
@@ -489,7 +492,7 @@ def worker(
         if metrics_port is not None:
             port = metrics.serve(metrics_port)
             log.info("metrics on http://0.0.0.0:%d/metrics", port, extra={"event": "metrics", "port": port})
-        description = {**llm.describe(), "sampling": setup.settings, "host": socket.gethostname()}
+        description = {**llm.describe(), "settings": setup.settings, "host": socket.gethostname()}
         running.append(Worker(client, keys, llm, setup.sampling, config, metrics, description))
         log.info("worker %s: serving %s (group workers, claim idle %gs, max deliveries %d)", name, keys.requests,
                  claim_idle_seconds, max_deliveries, extra={"event": "serving", "consumer": name})

@@ -159,7 +159,7 @@ def test_submit_worker_collect_gives_the_same_results_as_run(worker, server, job
     meta, run_meta = (json.loads(t.schema.metadata[b"batchgen"]) for t in (table, reference))
     assert meta["workers"] == ["w"] and meta["rows"] == 8 and meta["rows_ok"] == 8
     assert meta["model"] == run_meta["model"] and meta["dtype"] == run_meta["dtype"] == "float32"
-    assert meta["sampling"]["temperature"] == 0 and meta["duplicates_dropped"] == 0
+    assert meta["settings"]["temperature"] == 0 and meta["duplicates_dropped"] == 0
     assert server.client().xlen(Keys("shared").results("j")) == 8  # one result each, none answered twice
     port = worker.wait_event("metrics")["port"]
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -229,7 +229,8 @@ def test_a_killed_workers_rows_are_finished_by_another_each_exactly_once(server,
 def test_sigterm_finishes_in_flight_rows_then_exits_0_leaving_the_rest_to_others(server, job, batchgen, tmp_path):
     src, _ = job
     url, client, keys = server.url(), server.client(), Keys("drain")
-    w = WorkerProcess(tmp_path, url, "drain", "d", "--drain-timeout", "300")
+    # one row at a time (2 taken at once): a wide window for the signal to land mid-job
+    w = WorkerProcess(tmp_path, url, "drain", "d", "--drain-timeout", "300", "--max-num-seqs", "1")
     try:
         code, _, err = batchgen("submit", src, "--redis-url", url, "--prefix", "drain", "--job", "j")
         assert code == 0, err
@@ -252,11 +253,12 @@ def test_sigterm_finishes_in_flight_rows_then_exits_0_leaving_the_rest_to_others
 def test_redis_restarted_mid_job_loses_nothing(tmp_path_factory, job, batchgen, tmp_path):
     src, reference = job
     server = start_server(tmp_path_factory, "restarted")
-    w = WorkerProcess(tmp_path, server.url(), "restart", "r")
+    w = WorkerProcess(tmp_path, server.url(), "restart", "r", "--max-num-seqs", "1")  # a longer job
     client, keys = server.client(), Keys("restart")
     try:
         def restart_mid_job():
             wait_for(lambda: client.xlen(keys.results("j")) >= 1, 180, "a first result", w)
+            assert client.xlen(keys.results("j")) < 8
             server.stop()
             time.sleep(3)  # the engine goes on generating; results wait in the worker
             server.start()

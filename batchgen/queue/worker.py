@@ -445,8 +445,9 @@ class Worker:
                             time.monotonic() - self._down_since, e, delay)
             raise _Unavailable from e
         if self._down_since is not None:
-            log.info("redis reachable again after %.1fs", time.monotonic() - self._down_since,
-                     extra={"event": "redis_available"})
+            log.info("redis reachable again after %.1fs; %d finished results waited for it",
+                     time.monotonic() - self._down_since, len(self.unsent),
+                     extra={"event": "redis_available", "waiting": len(self.unsent)})
             self._down_since = None
             # every worker's messages look idle after an outage: let the heartbeats refresh them first
             self._next_claim = max(self._next_claim, time.monotonic() + self.config.claim_idle_s / 2)
