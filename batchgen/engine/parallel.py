@@ -1,10 +1,8 @@
 """Tensor-parallel context, passed to the layers (no process-global state).
 
-An engine's ranks talk through two process groups of their own, made from a rendezvous store that
-only they know (not torch.distributed's default group): two engines in one process, or two jobs on
-one host, never meet.
-  group:     collectives on the model's tensors (NCCL on CUDA, gloo on CPU), captured in CUDA graphs
-  cpu_group: gloo, for small host-side agreements (the KV pool size)
+An engine's ranks talk through one process group of their own (NCCL on CUDA, captured in CUDA
+graphs; gloo over loopback on CPU), made from a rendezvous store that only they know, not
+torch.distributed's default group: two engines in one process, or two jobs on one host, never meet.
 """
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed backend (ProcessGroupNCCL / ProcessGroupGloo) when size > 1
-    cpu_group: Any = None
+    device: torch.device = torch.device("cpu")  # where the group's tensors live
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
@@ -51,10 +49,10 @@ class TensorParallel:
     def min_over_ranks(self, value: int) -> int:
         if self.size == 1:
             return value
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        self.cpu_group.allreduce([t], opts).wait()
+        self.group.allreduce([t], opts).wait()
         return int(t.item())
 
     def split(self, total: int, what: str) -> int:
@@ -65,37 +63,30 @@ class TensorParallel:
     def abort(self) -> None:
         """Fail every collective in flight or to come (another rank is gone): NCCL kernels waiting
         for a dead peer return instead of spinning forever."""
-        for group in (self.group, self.cpu_group):
-            if group is not None and hasattr(group, "abort"):
-                try:
-                    group.abort()
-                except Exception:  # best effort: the engine is failing anyway
-                    pass
+        if self.group is not None and hasattr(self.group, "abort"):
+            try:
+                self.group.abort()
+            except Exception:  # best effort: the engine is failing anyway
+                pass
 
 
 SINGLE = TensorParallel()
 
 
-def _gloo(store, rank: int, size: int):
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = TIMEOUT
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # the ranks share one host
-    return dist.ProcessGroupGloo(store, rank, size, opts)
-
-
 def connect(store_path: str, rank: int, size: int, device: torch.device) -> TensorParallel:
     """Join the engine's ranks through the FileStore at store_path (every rank calls this)."""
-    store = dist.FileStore(store_path, size)
-    cpu_group = _gloo(dist.PrefixStore("cpu", store), rank, size)
+    store = dist.PrefixStore("tp", dist.FileStore(store_path, size))
     if device.type == "cuda":
         from torch.distributed import ProcessGroupNCCL
 
         opts = ProcessGroupNCCL.Options()
         opts._timeout = TIMEOUT
-        group = ProcessGroupNCCL(dist.PrefixStore("device", store), rank, size, opts)
+        group = ProcessGroupNCCL(store, rank, size, opts)
     else:
-        group = _gloo(dist.PrefixStore("device", store), rank, size)
-    for g in (group, cpu_group):
-        if hasattr(g, "_set_sequence_number_for_group"):
-            g._set_sequence_number_for_group()
-    return TensorParallel(rank, size, group, cpu_group)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = TIMEOUT
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # the ranks share one host
+        group = dist.ProcessGroupGloo(store, rank, size, opts)
+    if hasattr(group, "_set_sequence_number_for_group"):
+        group._set_sequence_number_for_group()
+    return TensorParallel(rank, size, group, device)

@@ -31,6 +31,7 @@ import signal
 import sys
 import tempfile
 import threading
+import traceback
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -100,6 +101,7 @@ class TPWorkers:
                     self.check()
             if device.type == "cuda":
                 torch.cuda.set_device(0)
+                device = torch.device("cuda", 0)
             self.tp = connect(store_path, 0, size, device)
         except BaseException as e:
             self.fail(e)
@@ -256,6 +258,8 @@ def worker_main(rank, size, store_path, config, model_dir, device_type, steps, l
     except EOFError:
         _exit(EXIT_PARENT_GONE)
     except BaseException as e:
+        print(f"batchgen tensor-parallel rank {rank}:", file=sys.stderr)
+        traceback.print_exc()
         try:
             life.send(("error", f"{type(e).__name__}: {e}"))
         except OSError:
