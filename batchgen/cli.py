@@ -208,7 +208,10 @@ class _EngineSetup:
         try:
             return LLM(model=self.model, **self.engine_options)
         except (ValueError, FileNotFoundError) as e:
-            raise _BadSetting(str(e)) from None
+            message, tp = str(e), self.engine_options["tensor_parallel_size"]
+            if tp != 1 and "tensor-parallel" in message and "--tensor-parallel-size" not in message:
+                message = f"invalid --tensor-parallel-size {tp}: {message}"  # the model does not split that way
+            raise _BadSetting(message) from None
 
 
 def _engine_setup(options: dict) -> _EngineSetup:
