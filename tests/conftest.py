@@ -2,6 +2,7 @@
 switched on before triton is first imported (by batchgen or the kernel tests)."""
 import gc
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -38,3 +39,32 @@ def release_gpu_memory():
     if torch.cuda.is_available():
         gc.collect()
         torch.cuda.empty_cache()
+
+
+class Done(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def batchgen(capsys, monkeypatch):
+    """Runs the `batchgen` entry point in this process (imports are paid once) -> Done, which also
+    unpacks as (exit code, stdout, stderr). `env` sets environment variables for one call."""
+    from batchgen.cli import app
+
+    for key in list(os.environ):
+        if key.startswith("BATCHGEN_") and key != "BATCHGEN_CACHE":
+            monkeypatch.delenv(key)
+
+    def call(*args, env: dict | None = None) -> Done:
+        with monkeypatch.context() as m:
+            for key, value in (env or {}).items():
+                m.setenv(key, value)
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exit_info:
+                app([str(a) for a in args])
+            out = capsys.readouterr()
+        return Done(exit_info.value.code, out.out, out.err)
+
+    return call

@@ -2,40 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from batchgen.cli import app
-
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "prompts.jsonl"
-
-
-class Done:
-    def __init__(self, returncode: int, stdout: str, stderr: str):
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-@pytest.fixture
-def batchgen(capsys, monkeypatch):
-    """Runs the `batchgen` entry point in this process (imports are paid once) -> Done."""
-    for key in list(os.environ):
-        if key.startswith("BATCHGEN_") and key != "BATCHGEN_CACHE":
-            monkeypatch.delenv(key)
-
-    def call(*args, env: dict | None = None) -> Done:
-        with monkeypatch.context() as m:
-            for key, value in (env or {}).items():
-                m.setenv(key, value)
-            capsys.readouterr()
-            with pytest.raises(SystemExit) as exit_info:
-                app([str(a) for a in args])
-            out = capsys.readouterr()
-        return Done(exit_info.value.code, out.out, out.err)
-
-    return call
 
 
 def test_help_lists_the_options_and_their_environment_variables(batchgen):

@@ -9,7 +9,6 @@ engine would.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import threading
@@ -23,7 +22,6 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from batchgen.cli import app
 from batchgen.io.rows import ROW_KEY, SAMPLING_FIELDS
 from batchgen.queue import Keys, Worker, WorkerConfig, collect_job, connect, redact, submit_job
 from batchgen.queue.metrics import WorkerMetrics
@@ -410,23 +408,6 @@ def test_collect_keeps_a_parquet_inputs_column_types(tmp_path, client, keys):
 
 
 # --- the commands ------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def batchgen(capsys, monkeypatch):
-    """Runs the `batchgen` entry point in this process -> (exit code, stdout, stderr)."""
-    for key in list(os.environ):
-        if key.startswith("BATCHGEN_") and key != "BATCHGEN_CACHE":
-            monkeypatch.delenv(key)
-
-    def call(*args):
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exit_info:
-            app([str(a) for a in args])
-        out = capsys.readouterr()
-        return exit_info.value.code, out.out, out.err
-
-    return call
 
 
 def test_submit_and_collect_commands_with_a_password_url(tmp_path, redis_server, prefix, batchgen, client):

@@ -20,7 +20,6 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.cli import app
 from batchgen.queue import Keys
 from batchgen.queue.protocol import GROUP, ensure_group
 from tests.redis_server import PASSWORD, USER, start_server
@@ -104,23 +103,6 @@ def job(tmp_path_factory):
                           capture_output=True, text=True, env=environment(), cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr
     return src, pq.read_table(tmp / "run.parquet")
-
-
-@pytest.fixture
-def batchgen(capsys, monkeypatch):
-    """Runs `batchgen` in this process -> (exit code, stdout, stderr)."""
-    for key in list(os.environ):
-        if key.startswith("BATCHGEN_") and key != "BATCHGEN_CACHE":
-            monkeypatch.delenv(key)
-
-    def call(*args):
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exit_info:
-            app([str(a) for a in args])
-        out = capsys.readouterr()
-        return exit_info.value.code, out.out, out.err
-
-    return call
 
 
 def texts(table) -> dict:

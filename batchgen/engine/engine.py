@@ -11,13 +11,14 @@ from transformers import AutoTokenizer
 
 from batchgen.config import EngineConfig
 from batchgen.engine.parallel import SINGLE
-from batchgen.engine.request import KNOWN_FIELDS, Sequence, Status, make_sequence
+from batchgen.engine.request import Sequence, Status, make_sequence
 from batchgen.engine.runner import ModelRunner, StepOutput
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.tp_workers import TPWorkers, tp_device
 from batchgen.models.model_config import load_model_config
 from batchgen.models.resolve import resolve_model_dir
 from batchgen.sampling_params import SamplingParams
+from batchgen.schema import KNOWN_FIELDS, error_result
 
 log = logging.getLogger("batchgen")
 
@@ -189,23 +190,7 @@ def result_row(seq: Sequence) -> dict:
 
 
 def error_row(row, message: str) -> dict:
-    extras = {k: v for k, v in row.items() if k not in KNOWN_FIELDS} if isinstance(row, dict) else {}
-    return {
-        "id": row.get("id") if isinstance(row, dict) else None,
-        **extras,
-        "text": None,
-        "output_token_ids": [],
-        "finish_reason": "error",
-        "error": message,
-        "prompt_tokens": 0,
-        "completion_tokens": 0,
-        "cached_prompt_tokens": 0,
-        "num_preemptions": 0,
-        "queue_s": None,
-        "ttft_s": None,
-        "prefill_s": None,
-        "decode_s": None,
-        "e2e_s": None,
-        "decode_tokens_per_s": None,
-    }
-
+    """The error result of a request row the engine refused, its extra keys carried through."""
+    if not isinstance(row, dict):
+        return error_result(None, message)
+    return error_result(row.get("id"), message, {k: v for k, v in row.items() if k not in KNOWN_FIELDS})

@@ -8,13 +8,7 @@ from enum import Enum
 import torch
 
 from batchgen.sampling_params import SamplingParams, derive_seed
-
-PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
-SAMPLING_FIELDS = (
-    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-)
-OUTPUT_OPTIONS = ("logprobs", "prompt_logprobs")  # opt-in: return log-probabilities
-KNOWN_FIELDS = ("id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *OUTPUT_OPTIONS)
+from batchgen.schema import KNOWN_FIELDS, OUTPUT_OPTIONS, PROMPT_FIELDS, SAMPLING_FIELDS
 
 
 class RequestError(ValueError):

@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+from batchgen.schema import PROMPT_FIELDS, SAMPLING_FIELDS, error_result
+
 INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed")
 FLOAT_FIELDS = ("temperature", "top_p")
-SAMPLING_FIELDS = (*INT_FIELDS, *FLOAT_FIELDS, "stop", "stop_token_ids", "ignore_eos")
 INPUT_FIELDS = ("id", *PROMPT_FIELDS, *SAMPLING_FIELDS)
 
 # Columns every output row has, in file order after `id` and the carried-through columns.
@@ -24,7 +24,6 @@ OUTPUT_FIELDS = (
     "prompt_tokens", "completion_tokens", "cached_prompt_tokens", "num_preemptions",
     "queue_s", "ttft_s", "prefill_s", "decode_s", "e2e_s", "decode_tokens_per_s",
 )
-METRIC_FIELDS = ("queue_s", "ttft_s", "prefill_s", "decode_s", "e2e_s", "decode_tokens_per_s")
 
 # The input row's index travels with its request through the engine (as a carried-through key) and
 # is stored in the work directory's part files; it is what resume and sharding go by.
@@ -39,17 +38,6 @@ class InputRow:
     index: int  # 0-based position in the input (the line index for JSONL)
     data: dict | None
     error: str | None = None
-
-
-def error_result(row_id: Any, message: str, extras: dict | None = None) -> dict:
-    """An output row for a request that failed: no text, no tokens, no timings."""
-    result = {"id": row_id, **(extras or {})}
-    result.update(
-        text=None, output_token_ids=[], finish_reason="error", error=message,
-        prompt_tokens=0, completion_tokens=0, cached_prompt_tokens=0, num_preemptions=0,
-    )
-    result.update(dict.fromkeys(METRIC_FIELDS))
-    return result
 
 
 class IdSet:

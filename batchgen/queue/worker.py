@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import redis
 
 from batchgen.queue.metrics import WorkerMetrics
+from batchgen.schema import error_result
 from batchgen.queue.protocol import (
     DELETE_IDLE_CONSUMER, FATAL, FINISH, GROUP, TOUCH, Backoff, Keys, Message, decode_request, encode_dead_letter,
     encode_result, ensure_group, request_id_of, text, to_json,
@@ -244,7 +245,7 @@ class Worker:
             self.metrics.malformed.inc()
             log.warning("malformed message %s of job %s: %s", message.msg_id, message.job, message.error,
                         extra={"event": "malformed", "message_id": message.msg_id, "job": message.job})
-            self._answer(message, _error_row(request_id_of(message), f"malformed message: {message.error}"))
+            self._answer(message, error_result(request_id_of(message), f"malformed message: {message.error}"))
         elif deliveries >= self.config.max_deliveries and deliveries > 1:
             self.last_chance.append(message)
         else:
@@ -267,7 +268,7 @@ class Worker:
             fields = encode_result(message.msg_id, message.index, self.config.consumer, row)
         except (TypeError, ValueError) as e:  # a value JSON cannot hold
             fields = encode_result(message.msg_id, message.index, self.config.consumer,
-                                   _error_row(row.get("id"), f"the result could not be encoded as JSON: {e}"))
+                                   error_result(row.get("id"), f"the result could not be encoded as JSON: {e}"))
         self.unsent.append(_Answer(message, fields, None, row.get("finish_reason") == "error"))
         self._send_unsent()
 
@@ -279,7 +280,7 @@ class Worker:
         dead = encode_dead_letter(message, reason, deliveries, self.config.consumer)
         fields = []
         if message.job is not None:
-            row = _error_row(request_id_of(message), f"{reason}; the message is in {self.keys.dead}")
+            row = error_result(request_id_of(message), f"{reason}; the message is in {self.keys.dead}")
             fields = encode_result(message.msg_id, message.index, self.config.consumer, row)
         self.unsent.append(_Answer(message, fields, dead, message.job is not None))
         self._send_unsent()
@@ -461,8 +462,3 @@ def _output_row(result: dict) -> dict:
     row["output_token_ids"] = [] if ids is None else [int(t) for t in ids]
     return row
 
-
-def _error_row(row_id: Any, message: str) -> dict:
-    from batchgen.io.rows import error_result
-
-    return error_result(row_id, message)
