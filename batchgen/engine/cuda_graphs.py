@@ -49,7 +49,17 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.num_prefill == 0 and 0 < fb.num_decode <= self.sizes[-1]
+        return bool(self.graphs) and fb.num_prefill == 0 and 0 < fb.num_decode <= self.sizes[-1]
+
+    def release(self, wait: bool = True) -> None:
+        """Free the graphs now (wait: after the device finishes their work). Under tensor
+        parallelism this must come before the NCCL communicator is torn down: NCCL keeps every
+        communicator that a live graph captured, and its abort/destroy waits for those graphs."""
+        if wait and self.graphs:
+            torch.cuda.synchronize(self.input_ids.device)
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
 
     def run(self, fb: ForwardBatch) -> torch.Tensor:
         """Replay for a decode-only batch -> logits [n, V] (a view of the graph's output)."""

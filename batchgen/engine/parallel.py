@@ -6,7 +6,8 @@ torch.distributed's default group: two engines in one process, or two jobs on on
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 TIMEOUT = timedelta(minutes=30)  # a collective that waits longer than this fails
+ABORT_WAIT_S = 10.0  # how long abort() blocks its caller (NCCL's own abort waits up to TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # a torch.distributed backend (ProcessGroupNCCL / ProcessGroupGloo) when size > 1
     device: torch.device = torch.device("cpu")  # where the group's tensors live
+    _aborting: list = field(default_factory=list, compare=False, repr=False)  # the abort thread, once started
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
@@ -60,17 +63,34 @@ class TensorParallel:
             raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size ({self.size})")
         return total // self.size
 
-    def abort(self) -> None:
+    def abort(self, wait_s: float = ABORT_WAIT_S) -> None:
         """Fail every collective in flight or to come (another rank is gone): NCCL kernels waiting
-        for a dead peer return instead of spinning forever."""
-        if self.group is not None and hasattr(self.group, "abort"):
-            try:
-                self.group.abort()
-            except Exception:  # best effort: the engine is failing anyway
-                pass
+        for a dead peer return instead of spinning forever; then free the communicators.
+
+        NCCL's abort raises its flag at once but returns only when no live CUDA graph holds the
+        communicator any more, so it runs on a thread of its own (started once) and the caller
+        waits at most wait_s: a caller that then frees the graphs lets it finish."""
+        if self.group is None or not hasattr(self.group, "abort"):
+            return
+        with _abort_lock:
+            if not self._aborting:
+                thread = threading.Thread(
+                    target=_abort_quietly, args=(self.group,), name="batchgen-tp-abort", daemon=True
+                )
+                self._aborting.append(thread)
+                thread.start()
+        self._aborting[0].join(wait_s)
 
 
 SINGLE = TensorParallel()
+_abort_lock = threading.Lock()
+
+
+def _abort_quietly(group) -> None:
+    try:
+        group.abort()
+    except Exception:  # best effort: the engine is ending or failing anyway
+        pass
 
 
 def connect(store_path: str, rank: int, size: int, device: torch.device) -> TensorParallel:

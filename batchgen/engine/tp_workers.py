@@ -34,6 +34,7 @@ import threading
 import traceback
 from multiprocessing.connection import wait
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -78,6 +79,13 @@ class TPWorkers:
         self._closing = False
         self._lock = threading.Lock()
         self.tp: TensorParallel | None = None
+        # Set by the engine once its runner is built. release_graphs frees rank 0's CUDA graphs
+        # (close() must, before NCCL can free the communicators). rank0_polls: from then on rank 0
+        # never blocks on the device but polls check(), so the monitor leaves the abort to close():
+        # NCCL's abort holds the group's lock until the graphs are freed, and a collective that rank
+        # 0 launched meanwhile would wait on that lock.
+        self.release_graphs: Callable[..., None] | None = None
+        self.rank0_polls = False
         ctx = mp.get_context("spawn")
         self.procs, self.steps, self.lives = [], [], []
         for rank in range(1, size):
@@ -141,8 +149,8 @@ class TPWorkers:
                 return
             self.failure = f"tensor-parallel rank {rank} failed: {reason}"
         self._failed.set()
-        if self.tp is not None and self.device.type == "cuda":
-            self.tp.abort()  # NCCL kernels waiting for the dead rank return instead of hanging
+        if self.tp is not None and self.device.type == "cuda" and not self.rank0_polls:
+            self.tp.abort(wait_s=0)  # NCCL kernels waiting for the dead rank return instead of hanging
 
     def _watch(self) -> None:
         lives = {conn: rank for rank, conn in enumerate(self.lives, start=1)}
@@ -201,8 +209,13 @@ class TPWorkers:
             proc.join()
         for conn in self.steps + self.lives:
             conn.close()
-        if self.tp is not None and (self.failure is not None or self.device.type == "cuda"):
-            self.tp.abort()  # NCCL: free rank 0's communicators without waiting on peers that are gone
+        nccl = self.tp is not None and self.device.type == "cuda"
+        if nccl and self.failure is not None:
+            self.tp.abort(wait_s=0)  # raises NCCL's flag: kernels waiting for the dead rank return
+        if self.release_graphs is not None:  # NCCL's abort ends only once no graph holds the group
+            self.release_graphs(wait=not force)
+        if nccl or (self.tp is not None and self.failure is not None):
+            self.tp.abort()  # free rank 0's communicators without waiting on peers that are gone
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 

@@ -202,3 +202,29 @@ def test_killed_worker_gives_one_clear_error(device, tiny_model, monkeypatch):
     _sabotage(monkeypatch, 3, kill)
     message = _run_until_failure(tiny_model("llama"), device)
     assert message == "tensor-parallel rank 1 failed: its process was killed by SIGKILL", message
+
+
+def test_abort_waits_a_bounded_time_and_runs_once():
+    """NCCL's abort blocks until no CUDA graph holds the group: ours returns after wait_s, and a
+    second call waits on the same abort instead of starting another."""
+    import threading
+
+    from batchgen.engine.parallel import TensorParallel
+
+    class SlowGroup:
+        def __init__(self):
+            self.calls, self.release = 0, threading.Event()
+
+        def abort(self):
+            self.calls += 1
+            self.release.wait()
+
+    group = SlowGroup()
+    tp = TensorParallel(rank=0, size=2, group=group)
+    started = time.monotonic()
+    tp.abort(wait_s=0.2)
+    tp.abort(wait_s=0.2)
+    assert 0.3 < time.monotonic() - started < 5 and group.calls == 1
+    group.release.set()  # the graphs are freed: the abort finishes
+    tp.abort(wait_s=5)
+    assert group.calls == 1 and not tp._aborting[0].is_alive()

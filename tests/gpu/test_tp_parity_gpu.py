@@ -1,10 +1,10 @@
-"""On two GPUs: TP=2 against TP=1 on a llama-3.2-1b-shaped random model in bf16 (NCCL, CUDA graphs,
+"""On two and four GPUs: TP=N (2, 4) against TP=1 on a llama-3.2-1b-shaped random model in bf16 (NCCL, CUDA graphs,
 Triton kernels).
 
-- greedy: TP=1's and TP=2's tokens are equal until the first near-tie (a top-2 margin below NEAR_TIE
+- greedy: TP=1's and TP=N's tokens are equal until the first near-tie (a top-2 margin below NEAR_TIE
   in an fp32 forward of TP=1's sequence);
 - logprobs: TP=1's sequences fed back (teacher forcing) through both engines' prompt_logprobs
-  (chunked prefill), against each other and against an fp32 forward of the same weights: TP=2's bf16
+  (chunked prefill), against each other and against an fp32 forward of the same weights: TP=N's bf16
   error must be of the order of TP=1's. Max and mean abs differences are printed.
 """
 import gc
@@ -33,7 +33,10 @@ def score(llm, sequences):
     return [torch.tensor(r["prompt_logprobs"]) for r in llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=1))]
 
 
-def test_tp2_matches_tp1_on_gpu(tmp_path):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_matches_tp1_on_gpu(tmp_path, tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPUs")
     hf = build("llama-3.2-1b", tmp_path)
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100000) for _ in range(n)] for n in PROMPT_LENGTHS]
@@ -45,7 +48,7 @@ def test_tp2_matches_tp1_on_gpu(tmp_path):
     del llm
     gc.collect()  # the engine's CUDA graphs hold a cycle: free its KV pool before the next engine sizes its own
     torch.cuda.empty_cache()
-    llm, tokens2 = run_engine(tmp_path, 2, prompts)
+    llm, tokens2 = run_engine(tmp_path, tp, prompts)
     lp2 = score(llm, sequences)
     llm.close()
     del llm
@@ -53,7 +56,7 @@ def test_tp2_matches_tp1_on_gpu(tmp_path):
     torch.cuda.empty_cache()
 
     hf = hf.float()
-    report = {"model": "llama-3.2-1b", "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
+    report = {"model": "llama-3.2-1b", "tp": tp, "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
               "prompts": PROMPT_LENGTHS, "new_tokens": NEW_TOKENS, "equal_prefix": [], "margin_at_divergence": []}
     d21, d1, d2 = [], [], []
     with torch.no_grad():
@@ -71,10 +74,10 @@ def test_tp2_matches_tp1_on_gpu(tmp_path):
             d21.append((x2 - x1).abs())
             d1.append((x1 - ref).abs())
             d2.append((x2 - ref).abs())
-    for key, diffs in (("tp2_vs_tp1", d21), ("tp1_vs_fp32", d1), ("tp2_vs_fp32", d2)):
+    for key, diffs in (("tpN_vs_tp1", d21), ("tp1_vs_fp32", d1), ("tpN_vs_fp32", d2)):
         diffs = torch.cat(diffs)
         report[f"logprob_diff_{key}"] = {"max": round(diffs.max().item(), 5), "mean": round(diffs.mean().item(), 6)}
     print("TP-PARITY " + json.dumps(report))
-    tp1_err, tp2_err = report["logprob_diff_tp1_vs_fp32"], report["logprob_diff_tp2_vs_fp32"]
+    tp1_err, tp2_err = report["logprob_diff_tp1_vs_fp32"], report["logprob_diff_tpN_vs_fp32"]
     assert tp2_err["mean"] <= 1.5 * tp1_err["mean"] + 1e-3, report
     assert tp2_err["max"] <= 2.0 * tp1_err["max"] + 1e-2, report
