@@ -6,13 +6,16 @@ HF baseline as BENCHMARKS.md describes it: batches of 64 in input order, left pa
 run until every row has hit EOS or its 64 tokens; only the tokens each row really produced (up to
 and including its EOS) count, the same as batchgen's completion_tokens. HF loads the checkpoint in
 its own dtype (fp32); batchgen runs at its automatic dtype (bf16 on CPUs with native bf16) and, for
-reference, in fp32 too. Each side runs --repeats times, alternating, and its best run counts: other
-work on a small machine only ever slows a run down. Prints one JSON line per batchgen setting.
+reference, in fp32 too. Each side runs in a process of its own (HF as a user runs it: batchgen's
+CPU tuning of the process, engine/cpu_memory.py, stays in batchgen's processes), --repeats times,
+alternating, and its best run counts: other work on a small machine only ever slows a run down.
+Prints one JSON line per batchgen setting.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import platform
 import time
 from pathlib import Path
@@ -71,6 +74,26 @@ def hf_runner(model_dir, prompts, max_tokens: int, batch_size: int):
     return run
 
 
+def serve(kind: str, prompts, max_tokens: int, hf_batch_size: int, model_dir, conn) -> None:
+    """One side in its own process: build it, then run the job each time the parent asks."""
+    if kind == "hf":
+        run = hf_runner(model_dir, prompts, max_tokens, hf_batch_size)
+    else:
+        model_dir, run = batchgen_runner(kind, prompts, max_tokens)
+    conn.send(str(model_dir))
+    while conn.recv():
+        conn.send(run())
+
+
+def start(kind: str, args, prompts, model_dir=None):
+    here, there = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(
+        target=serve, args=(kind, prompts, args.max_tokens, args.hf_batch_size, model_dir, there), daemon=True
+    )
+    proc.start()
+    return proc, here, here.recv()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=64)
@@ -79,13 +102,19 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     prompts = load_prompts(args.prompts)
-    model_dir, auto = batchgen_runner("auto", prompts, args.max_tokens)
-    _, fp32 = batchgen_runner("float32", prompts, args.max_tokens)
-    hf_run = hf_runner(model_dir, prompts, args.max_tokens, args.hf_batch_size)
-    runs = {"auto": [], "fp32": [], "hf": []}
+    sides = {}
+    sides["auto"] = start("auto", args, prompts)
+    model_dir = sides["auto"][2]
+    sides["hf"] = start("hf", args, prompts, model_dir)
+    sides["fp32"] = start("float32", args, prompts)
+    runs = {name: [] for name in sides}
     for _ in range(args.repeats):
-        for name, run in (("auto", auto), ("hf", hf_run), ("fp32", fp32)):
-            runs[name].append(run())
+        for name, (_, conn, _) in sides.items():
+            conn.send(True)
+            runs[name].append(conn.recv())
+    for proc, conn, _ in sides.values():
+        conn.send(False)
+        proc.join()
     best = {name: max(results, key=lambda r: r["tok_s"]) for name, results in runs.items()}
     hf = best["hf"]
     for o in (best["auto"], best["fp32"]):
@@ -96,6 +125,7 @@ def main():
             "batchgen_dtype": o["dtype"], "batchgen_tok_s": round(o["tok_s"], 1), "batchgen_s": round(o["wall_s"], 2),
             "batchgen_tokens": o["tokens"], "hf_dtype": hf["dtype"], "hf_generate_tok_s": round(hf["tok_s"], 1),
             "hf_generate_s": round(hf["wall_s"], 2), "hf_tokens": hf["tokens"], "ratio": round(o["tok_s"] / hf["tok_s"], 2),
+            "runs": {name: [round(r["tok_s"], 1) for r in results] for name, results in runs.items()},
         }), flush=True)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from batchgen.config import EngineConfig
+from batchgen.engine.cpu_memory import keep_freed_memory
 from batchgen.engine.cuda_graphs import DecodeGraphs
 from batchgen.engine.forward_batch import ForwardBatch
 from batchgen.engine.kv_cache import KVCache
@@ -67,6 +68,9 @@ class ModelRunner:
         default_budget = 8192 if self.device.type == "cuda" else 2048
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(default_budget, config.max_num_seqs)
         self.model = build_model(model_cfg, model_dir, self.dtype, self.device, self.max_model_len, tp)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+            self.model.pack_weights()
         attn = self.model.attention_layers()[0]
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         # room for a step's index arrays: ~4 per token and ~8 per sequence

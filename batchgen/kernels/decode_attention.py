@@ -260,6 +260,34 @@ def decode_attention_ref(
     return out.view(num_seqs, num_q_heads, head_dim)
 
 
+def decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    kv_lens: torch.Tensor,
+    max_kv_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """The CPU path: the reference's math as two batched matrix products per step, each query
+    head group [G, D] against its KV head's keys [L, D]. SDPA's CPU kernel spends ~8x longer on
+    these one-query problems. Scores come out of the product in q's dtype and are softmaxed in fp32
+    (as HF's eager attention does)."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    valid = torch.arange(max_kv_len, device=q.device)[None, :] < kv_lens[:, None]  # [B, L]
+    slots = req_to_token.index_select(0, req_rows.long())[:, :max_kv_len].long().masked_fill_(~valid, 0)
+    shape = (num_seqs, max_kv_len, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)  # [B, Hk, L, D]
+    v = v_cache.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)
+    scores = torch.matmul(q.view(num_seqs, num_kv_heads, group, head_dim), k.transpose(-1, -2))
+    scores = scores.float().mul_(scale).masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [B, Hk, G, L]
+    return torch.matmul(probs, v).view(num_seqs, num_q_heads, head_dim)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -276,4 +304,4 @@ def decode_attention(
         return decode_attention_triton(
             q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale
         )
-    return decode_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale)
+    return decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale)

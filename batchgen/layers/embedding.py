@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engine.parallel import SINGLE, TensorParallel
+from batchgen.layers.packed_linear import PackableWeight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -33,8 +34,8 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] (only the tokens that sample) -> logits [S, vocab] in fp32."""
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(self.matmul(hidden))
         return logits[:, : self.vocab_size].float()

@@ -7,10 +7,10 @@ RowParallelLinear:    weight [out, in / tp]   (each rank a partial sum; all-redu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engine.parallel import SINGLE, TensorParallel
+from batchgen.layers.packed_linear import PackableWeight
 
 
 def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -18,7 +18,7 @@ def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PackableWeight, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE):
         super().__init__()
         self.tp = tp
@@ -34,7 +34,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param, loaded.narrow(0, self.tp.rank * self.out_per_rank, self.out_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -83,7 +83,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         _copy(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableWeight, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE):
         super().__init__()
         self.tp = tp
@@ -99,5 +99,5 @@ class RowParallelLinear(nn.Module):
         _copy(param, loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias

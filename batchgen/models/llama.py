@@ -16,6 +16,7 @@ from batchgen.layers.attention import Attention
 from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from batchgen.layers.layernorm import RMSNorm
 from batchgen.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from batchgen.layers.packed_linear import PackableWeight
 from batchgen.layers.rotary import RotaryEmbedding
 from batchgen.models.model_config import ModelConfig
 
@@ -112,6 +113,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def pack_weights(self) -> None:
+        """CPU: every matrix product through a packed weight (layers/packed_linear.py)."""
+        for module in self.modules():
+            if isinstance(module, PackableWeight) and module is not self.lm_head:
+                module.pack()
+        self.lm_head.pack(keep_plain=self.cfg.tie_word_embeddings)  # tied: the embedding reads it
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

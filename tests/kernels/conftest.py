@@ -41,7 +41,7 @@ def assert_close():
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "interpreter_bf16: bf16 cases that hold under the Triton interpreter (pure copies)"
+        "markers", "interpreter_bf16: bf16 cases that hold under the Triton interpreter (pure copies, or no Triton)"
     )
 
 

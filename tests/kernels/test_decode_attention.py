@@ -4,6 +4,7 @@ import torch
 from tests.kernels.attention_batch import make_batch
 from batchgen.kernels.decode_attention import (
     _decode_attention_launch,
+    decode_attention_cpu,
     decode_attention_ref,
     decode_attention_triton,
 )
@@ -37,6 +38,17 @@ def test_decode_attention(device, assert_close, dtype, q_heads, kv_heads, head_d
     batch = make_batch([(1, n) for n in kv_lens], q_heads, kv_heads, head_dim, dtype, device)
     args = _args(batch, max(kv_lens) + 3, head_dim**-0.5)
     assert_close(decode_attention_triton(*args), decode_attention_ref(*args))
+
+
+@pytest.mark.interpreter_bf16
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(4, 2, 32), (7, 1, 24), (2, 2, 16), (9, 3, 64)])
+def test_decode_attention_cpu_path(assert_close, dtype, q_heads, kv_heads, head_dim):
+    """The engine's CPU path (batched matmuls) against the reference, on CPU whatever the machine.
+    In 16-bit the scores are rounded once more than the reference's (fp32 inside SDPA)."""
+    batch = make_batch([(1, n) for n in CPU_KV_LENS], q_heads, kv_heads, head_dim, dtype, "cpu", seed=3)
+    args = _args(batch, max(CPU_KV_LENS) + 3, head_dim**-0.5)
+    assert_close(decode_attention_cpu(*args), decode_attention_ref(*args), scale=1 if dtype == torch.float32 else 2)
 
 
 @pytest.mark.parametrize(
