@@ -278,7 +278,7 @@ def decode_attention_cpu(
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     valid = torch.arange(max_kv_len, device=q.device)[None, :] < kv_lens[:, None]  # [B, L]
-    slots = req_to_token.index_select(0, req_rows.long())[:, :max_kv_len].long().masked_fill_(~valid, 0)
+    slots = req_to_token[:, :max_kv_len].index_select(0, req_rows.long()).long().masked_fill_(~valid, 0)
     shape = (num_seqs, max_kv_len, num_kv_heads, head_dim)
     k = k_cache.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)  # [B, Hk, L, D]
     v = v_cache.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)

@@ -99,6 +99,26 @@ def apply_rotary_ref(
         x.copy_(rotated.to(x.dtype))
 
 
+def apply_rotary_cpu(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """The CPU path, in fewer (and larger) ops than the reference: with x = [x1, x2] per head,
+    x' = x * [cos, cos] + [x2, x1] * [-sin, sin]; and when k's heads follow q's in the same rows (the
+    views of one fused qkv output), q and k are rotated as one tensor."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    cos, sin = cos_sin_cache.index_select(0, positions.long()).chunk(2, dim=-1)  # [T, D/2] fp32 each
+    cos = cos[:, None, None, :]  # against x viewed as [T, H, 2, D/2]
+    signed_sin = torch.stack((-sin, sin), dim=1)[:, None]  # [T, 1, 2, D/2]
+    follows = k.stride() == q.stride() and k.data_ptr() == q.data_ptr() + num_q_heads * head_dim * q.element_size()
+    if follows and q.stride(2) == 1 and q.stride(1) == head_dim:
+        parts = [q.as_strided((num_tokens, num_q_heads + k.shape[1], head_dim), q.stride())]
+    else:
+        parts = [q, k]
+    for x in parts:
+        xf = x.float().view(num_tokens, -1, 2, head_dim // 2)
+        x.copy_(torch.addcmul(xf * cos, xf.flip(2), signed_sin).view(x.shape))
+
+
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
@@ -107,4 +127,4 @@ def apply_rotary(
     if q.is_cuda:
         apply_rotary_triton(q, k, positions, cos_sin_cache)
     else:
-        apply_rotary_ref(q, k, positions, cos_sin_cache)
+        apply_rotary_cpu(q, k, positions, cos_sin_cache)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from batchgen.kernels.rotary import apply_rotary_triton, apply_rotary_ref
+from batchgen.kernels.rotary import apply_rotary_cpu, apply_rotary_ref, apply_rotary_triton
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (tokens, q heads, kv heads, head_dim): head_dim/2 not a power of 2 for 20 and 80.
@@ -47,3 +47,29 @@ def test_rotary_contiguous_int32_positions(device, assert_close):
     apply_rotary_triton(q, k, positions, cache)
     assert_close(q, ref_q)
     assert_close(k, ref_k)
+
+
+@pytest.mark.interpreter_bf16
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [(1, 1, 1, 8), (7, 4, 2, 20), (13, 9, 3, 64)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_rotary_cpu_path(assert_close, dtype, tokens, q_heads, kv_heads, head_dim, fused):
+    """The engine's CPU path against the reference, on CPU whatever the machine: on the views of a
+    fused qkv output (q and k rotated as one) and on separate tensors (Qwen3 after its q/k norms)."""
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    if fused:
+        q = qkv[:, : q_heads * head_dim].view(tokens, q_heads, head_dim)
+        k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    else:
+        q = torch.randn(tokens, q_heads, head_dim, generator=gen).to(dtype)
+        k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    cache = _cos_sin_cache(300, head_dim, "cpu")
+    positions = torch.randint(0, 300, (tokens,), generator=gen)
+    ref_q, ref_k = q.clone(), k.clone()
+    apply_rotary_ref(ref_q, ref_k, positions, cache)
+    v_before = qkv[:, (q_heads + kv_heads) * head_dim :].clone()
+    apply_rotary_cpu(q, k, positions, cache)
+    assert_close(q, ref_q)
+    assert_close(k, ref_k)
+    assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim :], v_before)  # v untouched
