@@ -175,6 +175,36 @@ def test_bad_rows_of_every_kind_become_error_rows(tmp_path):
     assert "13 rows failed" in strict.stderr
 
 
+def test_logprobs_columns_when_rows_ask_for_them(tmp_path):
+    """`logprobs` / `prompt_logprobs` are request options, not carried columns: the output gets
+    list<double> columns of that name (null where a row did not ask or failed), from JSONL and Parquet."""
+    rows = [
+        {"id": "a", "prompt": "Hello", "logprobs": True},
+        {"id": "b", "prompt": "Hi there", "prompt_logprobs": True, "logprobs": False},
+        {"id": "c", "prompt": ""},  # an error row first in completion order: its columns are null
+        {"id": "d", "prompt": "Hey", "logprobs": "yes"},
+    ]
+    src_jsonl = write_jsonl(tmp_path / "in.jsonl", rows)
+    src_parquet = tmp_path / "in.parquet"
+    keys = ("id", "prompt", "logprobs", "prompt_logprobs")
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows if r["id"] != "d"]), src_parquet)
+    for src in (src_jsonl, src_parquet):
+        out = tmp_path / f"out-{src.suffix[1:]}.parquet"
+        done = batchgen("run", src, out, "--max-tokens", "3", "--temperature", "0")
+        assert done.returncode == 0, done.stderr
+        table = pq.read_table(out)
+        for name in ("logprobs", "prompt_logprobs"):
+            assert table.schema.field(name).type == pa.list_(pa.float64()), (src, table.schema)
+        got = {r["id"]: r for r in table.to_pylist()}
+        assert len(got["a"]["logprobs"]) == len(got["a"]["output_token_ids"]) == 3
+        assert all(lp <= 0 for lp in got["a"]["logprobs"]) and got["a"]["prompt_logprobs"] is None
+        assert got["b"]["logprobs"] is None
+        assert len(got["b"]["prompt_logprobs"]) == got["b"]["prompt_tokens"] - 1
+        assert got["c"]["finish_reason"] == "error" and got["c"]["logprobs"] is None
+        if "d" in got:
+            assert got["d"]["error"] == "logprobs must be true or false, got str"
+
+
 def test_sigkill_mid_job_then_rerun_gives_every_row_once_and_the_same_texts(job, tmp_path):
     src, whole = job
     out = tmp_path / "out.parquet"

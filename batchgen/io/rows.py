@@ -12,11 +12,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.schema import PROMPT_FIELDS, SAMPLING_FIELDS, error_result
+from batchgen.schema import OUTPUT_OPTIONS, PROMPT_FIELDS, SAMPLING_FIELDS, error_result
 
 INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed")
 FLOAT_FIELDS = ("temperature", "top_p")
-INPUT_FIELDS = ("id", *PROMPT_FIELDS, *SAMPLING_FIELDS)
+INPUT_FIELDS = ("id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *OUTPUT_OPTIONS)
 
 # Columns every output row has, in file order after `id` and the carried-through columns.
 OUTPUT_FIELDS = (
@@ -164,10 +164,11 @@ def _check_sampling(data: dict) -> dict:
         fields["stop"] = list(stop)
     if data.get("stop_token_ids") is not None:
         fields["stop_token_ids"] = _as_int_list("stop_token_ids", data["stop_token_ids"])
-    if data.get("ignore_eos") is not None:
-        if not isinstance(data["ignore_eos"], bool):
-            raise RowError(f"ignore_eos must be true or false, got {_type_name(data['ignore_eos'])}")
-        fields["ignore_eos"] = data["ignore_eos"]
+    for name in ("ignore_eos", *OUTPUT_OPTIONS):
+        if data.get(name) is not None:
+            if not isinstance(data[name], bool):
+                raise RowError(f"{name} must be true or false, got {_type_name(data[name])}")
+            fields[name] = data[name]
     return fields
 
 

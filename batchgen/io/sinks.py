@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.io.rows import INPUT_FIELDS, OUTPUT_FIELDS, ROW_KEY
+from batchgen.schema import OUTPUT_OPTIONS
 
 OUTPUT_TYPES: dict[str, pa.DataType] = {
     "text": pa.string(),
@@ -48,6 +49,8 @@ OUTPUT_TYPES: dict[str, pa.DataType] = {
     "decode_tokens_per_s": pa.float64(),
 }
 assert tuple(OUTPUT_TYPES) == OUTPUT_FIELDS
+# Output columns a job has only when its rows may ask for them (an input column of that name), last.
+OPTIONAL_OUTPUT_TYPES: dict[str, pa.DataType] = {n: pa.list_(pa.float64()) for n in OUTPUT_OPTIONS}
 
 KIND_KEY = b"batchgen_kind"
 KIND_TYPES = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "str": pa.string(), "json": pa.string()}
@@ -120,8 +123,9 @@ class Layout:
                     id_type = t
             carried = [f for f in input_schema if f.name not in INPUT_FIELDS]
             self.carried = [f.name for f in carried]
+            optional = [pa.field(n, t) for n, t in OPTIONAL_OUTPUT_TYPES.items() if n in input_schema.names]
             self.fixed_schema = pa.schema(
-                [pa.field("id", id_type), *carried, *(pa.field(n, t) for n, t in OUTPUT_TYPES.items())]
+                [pa.field("id", id_type), *carried, *(pa.field(n, t) for n, t in OUTPUT_TYPES.items()), *optional]
             )
 
     def part_table(self, rows: list[dict]) -> pa.Table:
@@ -164,6 +168,10 @@ class Layout:
         for name, t in OUTPUT_TYPES.items():
             fields.append(pa.field(name, t))
             arrays.append(pa.array([r.get(name) for r in rows], type=t))
+        for name, t in OPTIONAL_OUTPUT_TYPES.items():
+            if any(r.get(name) is not None for r in rows):
+                fields.append(pa.field(name, t))
+                arrays.append(pa.array([r.get(name) for r in rows], type=t))
         fields.append(pa.field(ROW_KEY, pa.int64()))
         arrays.append(pa.array([r[ROW_KEY] for r in rows], type=pa.int64()))
         return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
@@ -176,7 +184,7 @@ class Layout:
         kinds: dict[str, str | None] = {}
         for schema in part_schemas:
             for f in schema:
-                if f.name in OUTPUT_TYPES or f.name == ROW_KEY:
+                if f.name in OUTPUT_TYPES or f.name in OPTIONAL_OUTPUT_TYPES or f.name == ROW_KEY:
                     continue
                 order.setdefault(f.name)
                 widen = _widen_id if f.name == "id" else _widen
@@ -184,6 +192,8 @@ class Layout:
         fields = [_kind_field("id", kinds.get("id") or "int")]
         fields += [_kind_field(n, kinds[n] or "str") for n in order if n != "id"]
         fields += [pa.field(n, t) for n, t in OUTPUT_TYPES.items()]
+        asked = {f.name for schema in part_schemas for f in schema}
+        fields += [pa.field(n, t) for n, t in OPTIONAL_OUTPUT_TYPES.items() if n in asked]
         return pa.schema(fields)
 
 
