@@ -148,10 +148,12 @@ class LLMEngine:
             seq.finish_reason = "stop"
             seq.text = self.decode(seq.output_ids[:-1])
             return True
-        if params.stop:
+        if params.stop and len(seq.output_ids) >= params.min_tokens and (
+            len(seq.output_ids) == params.min_tokens or self._stop_in_tail(seq)
+        ):  # the whole text only when it may hold a stop string: it is decoded once, not every step
             text = self.decode(seq.output_ids)
             cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0 and len(seq.output_ids) >= params.min_tokens:
+            if cut >= 0:
                 seq.finish_reason, seq.text = "stop", text[:cut]
                 return True
         if len(seq.output_ids) >= params.max_tokens:
@@ -159,6 +161,15 @@ class LLMEngine:
             seq.text = self.decode(seq.output_ids)
             return True
         return False
+
+    def _stop_in_tail(self, seq: Sequence) -> bool:
+        """Whether a stop string shows in the text of the last few tokens. Checked every step, a stop
+        string first appears ending in the newest token, within its last 4 * len(stop) tokens (a
+        character takes at most 4 byte tokens); 8 more keep the tail's first token, whose decoding
+        may differ from its decoding in context (a dropped leading space), clear of it."""
+        window = 4 * max(len(s) for s in seq.params.stop) + 8
+        tail = self.decode(seq.output_ids[-window:])
+        return any(s in tail for s in seq.params.stop)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

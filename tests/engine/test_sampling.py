@@ -108,6 +108,30 @@ def test_stop_string_cuts_the_text(llm):
     assert cut["output_token_ids"] == full["output_token_ids"][: len(cut["output_token_ids"])]
 
 
+@pytest.mark.parametrize("where,min_tokens", [("late", 0), ("early", 40)])
+def test_stop_string_late_in_a_long_output(llm, where, min_tokens):
+    """The engine looks for stop strings in the text of the newest tokens only, and decodes the
+    whole text when one may be there: the result must be what a whole-text search at every step
+    gives, for a stop string that first shows late in a long output, and for one that showed early
+    but counts only once min_tokens is reached."""
+    row = {"id": 0, "prompt_token_ids": [11, 22, 33], "seed": 3}  # seeded: the same tokens every run
+    params = SamplingParams(temperature=0.8, max_tokens=48, ignore_eos=True)
+    ids = llm.generate_list([row], params)[0]["output_token_ids"]
+    decode = llm.engine.decode
+    full, tail = decode(ids), decode(ids[min_tokens // 2 :])
+    windows = [full[i : i + 3] for i in range(len(full) - 2) if full[i : i + 3].isalnum()]
+    if where == "late":  # the last one whose first occurrence is in the second half
+        stop = next(w for w in reversed(windows) if full.find(w) >= len(full) // 2)
+    else:  # one of the first characters that the text never shows again
+        stop = next(w for w in windows if full.find(w) < 12 and w not in tail)
+    n = next(n for n in range(max(min_tokens, 1), len(ids) + 1) if stop in decode(ids[:n]))
+    assert n > 24 and (where == "late" or n == min_tokens)
+    text = decode(ids[:n])
+    got = llm.generate_list([{**row, "stop": stop, "min_tokens": min_tokens}], params)[0]
+    assert (got["finish_reason"], got["text"]) == ("stop", text[: text.find(stop)])
+    assert got["output_token_ids"] == ids[:n]
+
+
 def test_stop_token_ids_min_tokens_and_ignore_eos(llm):
     row = {"id": 0, "prompt_token_ids": [10, 20, 30]}
     greedy = SamplingParams(temperature=0, max_tokens=12)
