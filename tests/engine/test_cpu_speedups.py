@@ -22,7 +22,9 @@ def _layer(cls, dtype, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cls,bias", [(ColumnParallelLinear, True), (ColumnParallelLinear, False), (RowParallelLinear, True)])
+@pytest.mark.parametrize(
+    "cls,bias", [(ColumnParallelLinear, True), (ColumnParallelLinear, False), (RowParallelLinear, True)]
+)
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_packed_layers_compute_f_linear(dtype, cls, bias, rows):
     if not can_pack(dtype):

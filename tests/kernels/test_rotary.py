@@ -17,23 +17,36 @@ def _cos_sin_cache(max_pos, head_dim, device):
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)  # [P, D]
 
 
+def _fused_views(qkv, q_heads, kv_heads, head_dim):
+    """q [T, Hq, D] and k [T, Hk, D] as the model makes them: strided views into one qkv output."""
+    q = qkv[:, : q_heads * head_dim].view(len(qkv), q_heads, head_dim)
+    k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(len(qkv), kv_heads, head_dim)
+    return q, k
+
+
+def _assert_rotates_like_ref(rotate, assert_close, qkv, q, k, positions, cache):
+    """rotate(q, k, positions, cache), in place, gives the reference's q and k and leaves the rest
+    of qkv (v) untouched."""
+    v_start = q[0].numel() + k[0].numel()
+    ref_q, ref_k = q.clone(), k.clone()
+    apply_rotary_ref(ref_q, ref_k, positions, cache)
+    v_before = qkv[:, v_start:].clone()
+    rotate(q, k, positions, cache)
+    assert_close(q, ref_q)
+    assert_close(k, ref_k)
+    assert torch.equal(qkv[:, v_start:], v_before)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", SHAPES)
 def test_rotary_on_fused_qkv_views(device, assert_close, dtype, tokens, q_heads, kv_heads, head_dim):
     torch.manual_seed(0)
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
-    q = qkv[:, : q_heads * head_dim].view(tokens, q_heads, head_dim)
-    k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    cache = _cos_sin_cache(5000, head_dim, device)
+    q, k = _fused_views(qkv, q_heads, kv_heads, head_dim)
     positions = torch.randint(0, 5000, (tokens,), device=device)
     positions[0] = 0
-    ref_q, ref_k = q.clone(), k.clone()
-    apply_rotary_ref(ref_q, ref_k, positions, cache)
-    v_before = qkv[:, (q_heads + kv_heads) * head_dim :].clone()
-    apply_rotary_triton(q, k, positions, cache)
-    assert_close(q, ref_q)
-    assert_close(k, ref_k)
-    assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim :], v_before)  # v untouched
+    cache = _cos_sin_cache(5000, head_dim, device)
+    _assert_rotates_like_ref(apply_rotary_triton, assert_close, qkv, q, k, positions, cache)
 
 
 def test_rotary_contiguous_int32_positions(device, assert_close):
@@ -59,17 +72,9 @@ def test_rotary_cpu_path(assert_close, dtype, tokens, q_heads, kv_heads, head_di
     gen = torch.Generator().manual_seed(2)
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     if fused:
-        q = qkv[:, : q_heads * head_dim].view(tokens, q_heads, head_dim)
-        k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        q, k = _fused_views(qkv, q_heads, kv_heads, head_dim)
     else:
         q = torch.randn(tokens, q_heads, head_dim, generator=gen).to(dtype)
         k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype)
-    cache = _cos_sin_cache(300, head_dim, "cpu")
     positions = torch.randint(0, 300, (tokens,), generator=gen)
-    ref_q, ref_k = q.clone(), k.clone()
-    apply_rotary_ref(ref_q, ref_k, positions, cache)
-    v_before = qkv[:, (q_heads + kv_heads) * head_dim :].clone()
-    apply_rotary_cpu(q, k, positions, cache)
-    assert_close(q, ref_q)
-    assert_close(k, ref_k)
-    assert torch.equal(qkv[:, (q_heads + kv_heads) * head_dim :], v_before)  # v untouched
+    _assert_rotates_like_ref(apply_rotary_cpu, assert_close, qkv, q, k, positions, _cos_sin_cache(300, head_dim, "cpu"))
