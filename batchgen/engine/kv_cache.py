@@ -24,24 +24,27 @@ class KVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.req_to_token = torch.zeros((max_num_seqs + 1, max_model_len), dtype=torch.int32, device=device)
         self.req_to_token[self.pad_row, 0] = self.pad_slot
-        # free slots are free_slots[:num_free]; allocation pops from the end
-        self.free_slots = torch.arange(num_slots, dtype=torch.int64).flip(0).contiguous()
-        self.num_free = num_slots
+        # Host-side free lists of plain ints (a step allocates one slot per decoding sequence: a
+        # tensor per slot would cost more than the bookkeeping itself); allocation pops from the end.
+        self.free_slots = list(range(num_slots - 1, -1, -1))
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
-    def alloc(self, n: int) -> torch.Tensor:
+    def alloc(self, n: int) -> list[int]:
         assert 0 < n <= self.num_free, f"asked for {n} slots, {self.num_free} free"
-        self.num_free -= n
-        return self.free_slots[self.num_free : self.num_free + n].clone()
+        slots = self.free_slots[-n:]
+        del self.free_slots[-n:]
+        return slots
 
-    def free(self, slots: torch.Tensor) -> None:
-        n = slots.numel()
-        self.free_slots[self.num_free : self.num_free + n] = slots
-        self.num_free += n
+    def free(self, slots: list[int]) -> None:
+        self.free_slots.extend(slots)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_slots)
 
     def alloc_row(self) -> int:
         return self.free_rows.pop()

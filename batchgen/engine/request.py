@@ -118,7 +118,7 @@ class Sequence:
         self.sample_index = -1  # row of this sequence's token in the last launched step's samples
         self.num_prompt_scored = 0  # prompt positions already scored for prompt_logprobs
         self.row = -1
-        self.slot_chunks: list[torch.Tensor] = []
+        self.slots: list[int] = []  # KV slots of positions 0..num_computed-1
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.text: str | None = None

@@ -217,7 +217,7 @@ class ModelRunner:
             offset += n
         inputs = StepInputs.pack(
             [nd, len(samplers), max(kv_lens[:nd], default=0), max(batch.num_new[nd:], default=0)],
-            [input_ids, positions, torch.cat(batch.slots), logits_indices, pending_dst, pending_src,
+            [input_ids, positions, batch.slots, logits_indices, pending_dst, pending_src,
              token_rows, rows, kv_lens, q_start, batch.num_new[nd:]],
         )
         return inputs, samplers, scored

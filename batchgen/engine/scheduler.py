@@ -13,8 +13,6 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
 from batchgen.engine.kv_cache import KVCache
 from batchgen.engine.request import Sequence, Status
 
@@ -28,7 +26,7 @@ class ScheduledBatch:
     seqs: list[Sequence]  # decodes first, then prefill chunks
     starts: list[int]  # first position computed this step, per sequence
     num_new: list[int]  # tokens computed this step, per sequence
-    slots: list[torch.Tensor]  # KV slots of those tokens, per sequence
+    slots: list[int]  # KV slots of those tokens, all sequences' in order
     num_decode: int
 
     @property
@@ -75,8 +73,8 @@ class Scheduler:
             batch.starts.append(seq.num_computed)
             batch.num_new.append(n)
             slots = kv.alloc(n)
-            batch.slots.append(slots)
-            seq.slot_chunks.append(slots)
+            batch.slots += slots
+            seq.slots += slots
             seq.num_computed += n
 
         for seq in list(self.running):  # decodes, oldest first
@@ -97,6 +95,8 @@ class Scheduler:
                 take(seq, n)
                 budget -= n
 
+        if not (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs):
+            return batch  # nothing to admit: skip summing the running ones' expected use
         reserved = sum(expected_future_tokens(s) for s in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -132,9 +132,9 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def _release(self, seq: Sequence) -> None:
-        if seq.slot_chunks:
-            self.kv.free(torch.cat(seq.slot_chunks))
-            seq.slot_chunks = []
+        if seq.slots:
+            self.kv.free(seq.slots)
+            seq.slots = []
         if seq.row >= 0:
             self.kv.free_row(seq.row)
             seq.row = -1

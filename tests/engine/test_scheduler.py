@@ -43,10 +43,10 @@ def drain(sched, check=lambda batch: None):
 def test_alloc_and_free_return_every_slot():
     kv = make_kv(10)
     a, b = kv.alloc(3), kv.alloc(7)
-    assert kv.num_free == 0 and len(set(a.tolist()) | set(b.tolist())) == 10
+    assert kv.num_free == 0 and len(set(a) | set(b)) == 10
     kv.free(a)
     kv.free(b)
-    assert kv.num_free == 10 and sorted(kv.free_slots.tolist()) == list(range(10))
+    assert kv.num_free == 10 and sorted(kv.free_slots) == list(range(10))
 
 
 def test_budgets_are_respected_and_pool_is_whole_after():
