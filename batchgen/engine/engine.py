@@ -144,19 +144,20 @@ class LLMEngine:
 
     def _check_finished(self, seq: Sequence, token: int) -> bool:
         params = seq.params
-        if token in seq.stop_ids and len(seq.output_ids) >= params.min_tokens:
+        num_out = len(seq.token_ids) - seq.num_prompt  # known on the host (pending ones not counted)
+        if token in seq.stop_ids and num_out >= params.min_tokens:
             seq.finish_reason = "stop"
             seq.text = self.decode(seq.output_ids[:-1])
             return True
-        if params.stop and len(seq.output_ids) >= params.min_tokens and (
-            len(seq.output_ids) == params.min_tokens or self._stop_in_tail(seq)
+        if params.stop and num_out >= params.min_tokens and (
+            num_out == params.min_tokens or self._stop_in_tail(seq)
         ):  # the whole text only when it may hold a stop string: it is decoded once, not every step
             text = self.decode(seq.output_ids)
             cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
             if cut >= 0:
                 seq.finish_reason, seq.text = "stop", text[:cut]
                 return True
-        if len(seq.output_ids) >= params.max_tokens:
+        if num_out >= params.max_tokens:
             seq.finish_reason = "length"
             seq.text = self.decode(seq.output_ids)
             return True
@@ -168,7 +169,7 @@ class LLMEngine:
         character takes at most 4 byte tokens); 8 more keep the tail's first token, whose decoding
         may differ from its decoding in context (a dropped leading space), clear of it."""
         window = 4 * max(len(s) for s in seq.params.stop) + 8
-        tail = self.decode(seq.output_ids[-window:])
+        tail = self.decode(seq.token_ids[max(seq.num_prompt, len(seq.token_ids) - window) :])
         return any(s in tail for s in seq.params.stop)
 
     def decode(self, ids: list[int]) -> str:
