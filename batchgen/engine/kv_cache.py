@@ -7,6 +7,8 @@ no block rounding, no fragmentation.
 """
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 
@@ -24,22 +26,23 @@ class KVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.req_to_token = torch.zeros((max_num_seqs + 1, max_model_len), dtype=torch.int32, device=device)
         self.req_to_token[self.pad_row, 0] = self.pad_slot
-        # Host-side free lists of plain ints (a step allocates one slot per decoding sequence: a
-        # tensor per slot would cost more than the bookkeeping itself); allocation pops from the end.
-        self.free_slots = list(range(num_slots - 1, -1, -1))
+        # Host-side free list of int64s (a step allocates one slot per decoding sequence: a tensor
+        # per slot would cost more than the bookkeeping itself), in an array rather than a list: the
+        # garbage collector walks every list, and a pool holds millions of slots. Pops from the end.
+        self.free_slots = array("q", range(num_slots - 1, -1, -1))
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
-    def alloc(self, n: int) -> list[int]:
+    def alloc(self, n: int) -> array:
         assert 0 < n <= self.num_free, f"asked for {n} slots, {self.num_free} free"
         slots = self.free_slots[-n:]
         del self.free_slots[-n:]
         return slots
 
-    def free(self, slots: list[int]) -> None:
+    def free(self, slots: array) -> None:
         self.free_slots.extend(slots)
 
     @property

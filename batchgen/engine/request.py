@@ -2,6 +2,8 @@
 and runner work on."""
 from __future__ import annotations
 
+from array import array
+
 import time
 from enum import Enum
 
@@ -118,7 +120,7 @@ class Sequence:
         self.sample_index = -1  # row of this sequence's token in the last launched step's samples
         self.num_prompt_scored = 0  # prompt positions already scored for prompt_logprobs
         self.row = -1
-        self.slots: list[int] = []  # KV slots of positions 0..num_computed-1
+        self.slots = array("q")  # KV slots of positions 0..num_computed-1
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.text: str | None = None

@@ -10,6 +10,7 @@ KV is freed and they are recomputed later (their tokens so far become their prom
 from __future__ import annotations
 
 import math
+from array import array
 from collections import deque
 from dataclasses import dataclass
 
@@ -134,7 +135,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         if seq.slots:
             self.kv.free(seq.slots)
-            seq.slots = []
+            seq.slots = array("q")
         if seq.row >= 0:
             self.kv.free_row(seq.row)
             seq.row = -1
