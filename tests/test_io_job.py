@@ -17,7 +17,8 @@ import pytest
 
 from batchgen.io import JobError, JobSpec, Shard, run_job
 from batchgen.io.resume import workdir_for
-from batchgen.io.rows import ROW_KEY, SAMPLING_FIELDS
+from batchgen.io.rows import ROW_KEY
+from batchgen.schema import SAMPLING_FIELDS
 
 
 class StandInLLM:

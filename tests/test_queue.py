@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from batchgen.io.rows import ROW_KEY, SAMPLING_FIELDS
+from batchgen.io.rows import ROW_KEY
+from batchgen.schema import SAMPLING_FIELDS
 from batchgen.queue import Keys, Worker, WorkerConfig, collect_job, connect, redact, submit_job
 from batchgen.queue.metrics import WorkerMetrics
 from batchgen.queue.protocol import GROUP, ensure_group

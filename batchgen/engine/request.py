@@ -2,90 +2,30 @@
 and runner work on."""
 from __future__ import annotations
 
-from array import array
-
 import time
+from array import array
 from enum import Enum
 
-import torch
-
 from batchgen.sampling_params import SamplingParams, derive_seed
-from batchgen.schema import KNOWN_FIELDS, OUTPUT_OPTIONS, PROMPT_FIELDS, SAMPLING_FIELDS
+from batchgen.schema import KNOWN_FIELDS, OUTPUT_OPTIONS, SAMPLING_FIELDS, FieldError, check_options, check_prompt
 
 
-class RequestError(ValueError):
+class RequestError(FieldError):
     """A bad request: its one-line message becomes the row's `error`."""
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int_list(v, what: str) -> list[int]:
-    if not isinstance(v, (list, tuple)) or not all(_is_int(x) for x in v):
-        raise RequestError(f"{what} must be a list of integers")
-    return list(v)
-
-
-def sampling_from_row(row: dict, defaults: SamplingParams) -> SamplingParams:
-    """The job's defaults with the row's non-null overrides, type-checked."""
-    changes = {}
-    for name in SAMPLING_FIELDS:
-        value = row.get(name)
-        if value is None:
-            continue
-        if name in ("max_tokens", "min_tokens", "top_k", "seed"):
-            if not _is_int(value):
-                raise RequestError(f"{name} must be an integer, got {value!r}")
-        elif name in ("temperature", "top_p"):
-            if not (_is_int(value) or isinstance(value, float)):
-                raise RequestError(f"{name} must be a number, got {value!r}")
-            value = float(value)
-        elif name == "stop":
-            value = [value] if isinstance(value, str) else value
-            if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
-                raise RequestError("stop must be a string or a list of strings")
-            value = list(value)
-        elif name == "stop_token_ids":
-            value = _int_list(value, "stop_token_ids")
-        elif name == "ignore_eos" and not isinstance(value, bool):
-            raise RequestError(f"ignore_eos must be true or false, got {value!r}")
-        changes[name] = value
-    try:
-        return defaults.replace(**changes)
-    except ValueError as e:
-        raise RequestError(str(e)) from None
-
-
-def prompt_token_ids(row: dict, tokenizer, vocab_size: int) -> list[int]:
-    present = [f for f in PROMPT_FIELDS if row.get(f) is not None]
-    if len(present) != 1:
-        raise RequestError(
-            "a row needs exactly one of prompt, messages, prompt_token_ids; "
-            + (f"found {', '.join(present)}" if present else "found none")
-        )
-    field = present[0]
-    value = row[field]
+def prompt_token_ids(prompt: dict, tokenizer, vocab_size: int) -> list[int]:
+    """prompt: check_prompt's {field: value} -> the prompt's token ids."""
+    (field, value), = prompt.items()
     if field == "prompt":
-        if not isinstance(value, str):
-            raise RequestError(f"prompt must be a string, got {type(value).__name__}")
-        if not value.strip():
-            raise RequestError("prompt is empty")
         ids = tokenizer(value).input_ids
     elif field == "messages":
-        if not isinstance(value, (list, tuple)) or not value:
-            raise RequestError("messages must be a non-empty list of {role, content} objects")
-        for i, m in enumerate(value):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise RequestError(f"messages[{i}] must be an object with string role and content")
         if getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("messages given but the model's tokenizer has no chat template; use prompt")
-        text = tokenizer.apply_chat_template(list(value), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False).input_ids
     else:
-        ids = _int_list(value, "prompt_token_ids")
-        if not ids:
-            raise RequestError("prompt_token_ids is empty")
+        ids = value
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise RequestError(f"prompt_token_ids holds {bad}, outside the vocabulary [0, {vocab_size})")
@@ -165,10 +105,14 @@ def make_sequence(row: dict, defaults: SamplingParams, job_seed: int, tokenizer,
     """Validate a request row and build its Sequence; raises RequestError with a one-line reason."""
     if not isinstance(row, dict):
         raise RequestError(f"a request must be an object, got {type(row).__name__}")
-    params = sampling_from_row(row, defaults)
+    try:
+        options, prompt = check_options(row), check_prompt(row)
+        params = defaults.replace(**{k: v for k, v in options.items() if k in SAMPLING_FIELDS})
+    except ValueError as e:  # a FieldError, or a value SamplingParams refuses
+        raise RequestError(str(e)) from None
     if params.seed is None and not params.greedy:
         params = params.replace(seed=derive_seed(job_seed, row.get("id")))
-    ids = prompt_token_ids(row, tokenizer, vocab_size)
+    ids = prompt_token_ids(prompt, tokenizer, vocab_size)
     if len(ids) + params.max_tokens > max_len:
         raise RequestError(
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the limit of {max_len} "
@@ -177,9 +121,6 @@ def make_sequence(row: dict, defaults: SamplingParams, job_seed: int, tokenizer,
     extras = {k: v for k, v in row.items() if k not in KNOWN_FIELDS}
     seq = Sequence(row.get("id"), ids, params, eos_ids, extras, time.monotonic())
     for name in OUTPUT_OPTIONS:
-        value = row.get(name)
-        if value is not None and not isinstance(value, bool):
-            raise RequestError(f"{name} must be true or false, got {value!r}")
-        if value:
+        if options.get(name):
             setattr(seq, name, [])
     return seq

@@ -1,8 +1,10 @@
 """Input rows: what a source reads, and the checks a row must pass before it reaches the engine.
 
 A row that fails a check becomes an error result at once (``finish_reason == "error"``, a one-line
-``error``); it never reaches the engine and never stops the job. The engine checks what needs the
-model (token ids in range, prompt length, sampling value ranges); here we check what needs only the row.
+``error``); it never reaches the engine and never stops the job. Here: its id (unique in the input),
+reserved column names, and the field types (batchgen.schema's checks, which the engine applies to
+Python API requests too). The engine checks what needs the model (token ids in range, prompt length,
+sampling value ranges).
 """
 
 from __future__ import annotations
@@ -12,11 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.schema import OUTPUT_OPTIONS, PROMPT_FIELDS, SAMPLING_FIELDS, error_result
+from batchgen.schema import KNOWN_FIELDS, FieldError, check_options, check_prompt, error_result, type_name
 
-INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed")
-FLOAT_FIELDS = ("temperature", "top_p")
-INPUT_FIELDS = ("id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *OUTPUT_OPTIONS)
+INPUT_FIELDS = KNOWN_FIELDS  # the rest of a row's columns are carried through
 
 # Columns every output row has, in file order after `id` and the carried-through columns.
 OUTPUT_FIELDS = (
@@ -61,34 +61,8 @@ class IdSet:
         return True
 
 
-class RowError(ValueError):
+class RowError(FieldError):
     """A row-level problem; its message is the output row's `error`."""
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _as_int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise RowError(f"{name} must be an integer, got bool")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)  # 16.0 from JSON, or from a float column that holds whole numbers
-    raise RowError(f"{name} must be an integer, got {_type_name(value)} {value!r}")
-
-
-def _as_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RowError(f"{name} must be a number, got {_type_name(value)}")
-    return float(value)
-
-
-def _as_int_list(name: str, value: Any) -> list[int]:
-    if not isinstance(value, (list, tuple)):
-        raise RowError(f"{name} must be a list of integers, got {_type_name(value)}")
-    return [_as_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
 
 
 def check_id(value: Any) -> str | int:
@@ -100,76 +74,7 @@ def check_id(value: Any) -> str | int:
         raise RowError("id must be a string or an integer, got bool")
     if isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value.is_integer()):
         return int(value)
-    raise RowError(f"id must be a string or an integer, got {_type_name(value)}")
-
-
-def _check_messages(value: Any) -> list[dict]:
-    if not isinstance(value, (list, tuple)):
-        raise RowError(f"messages must be a list of {{role, content}} objects, got {_type_name(value)}")
-    if not value:
-        raise RowError("messages is empty")
-    messages = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise RowError(f"messages[{i}] must be an object with role and content, got {_type_name(message)}")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise RowError(f"messages[{i}].{key} must be a string, got {_type_name(message.get(key))}")
-        if not message["role"]:
-            raise RowError(f"messages[{i}].role is empty")
-        # A Parquet struct column gives every message every field; unset ones come back as None.
-        messages.append({k: v for k, v in message.items() if v is not None})
-    if not any(m["content"] for m in messages):
-        raise RowError("messages has no content")
-    return messages
-
-
-def _check_prompt(data: dict) -> dict:
-    present = [f for f in PROMPT_FIELDS if data.get(f) is not None]
-    if not present:
-        raise RowError("no prompt: a row needs one of prompt, messages, prompt_token_ids")
-    if len(present) > 1:
-        raise RowError(f"more than one prompt field ({', '.join(present)}): a row needs exactly one")
-    field, value = present[0], data[present[0]]
-    if field == "prompt":
-        if not isinstance(value, str):
-            raise RowError(f"prompt must be a string, got {_type_name(value)}")
-        if not value:
-            raise RowError("prompt is empty")
-        return {"prompt": value}
-    if field == "messages":
-        return {"messages": _check_messages(value)}
-    ids = _as_int_list("prompt_token_ids", value)
-    if not ids:
-        raise RowError("prompt_token_ids is empty")
-    return {"prompt_token_ids": ids}
-
-
-def _check_sampling(data: dict) -> dict:
-    fields: dict[str, Any] = {}
-    for name in INT_FIELDS:
-        if data.get(name) is not None:
-            fields[name] = _as_int(name, data[name])
-    for name in FLOAT_FIELDS:
-        if data.get(name) is not None:
-            fields[name] = _as_float(name, data[name])
-    stop = data.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise RowError(f"stop must be a string or a list of strings, got {_type_name(stop)}")
-        if any(s == "" for s in stop):
-            raise RowError("stop holds an empty string")
-        fields["stop"] = list(stop)
-    if data.get("stop_token_ids") is not None:
-        fields["stop_token_ids"] = _as_int_list("stop_token_ids", data["stop_token_ids"])
-    for name in ("ignore_eos", *OUTPUT_OPTIONS):
-        if data.get(name) is not None:
-            if not isinstance(data[name], bool):
-                raise RowError(f"{name} must be true or false, got {_type_name(data[name])}")
-            fields[name] = data[name]
-    return fields
+    raise RowError(f"id must be a string or an integer, got {type_name(value)}")
 
 
 class RowChecker:
@@ -219,8 +124,8 @@ class RowChecker:
             names = ", ".join(reserved)
             return None, self._error(row.index, row_id, f"column {names} is reserved for the output; rename it", extras)
         try:
-            request = {"id": row_id, **_check_prompt(data), **_check_sampling(data)}
-        except RowError as e:
+            request = {"id": row_id, **check_prompt(data), **check_options(data)}
+        except FieldError as e:
             return None, self._error(row.index, row_id, str(e), extras)
         request.update(extras)
         request[ROW_KEY] = row.index

@@ -11,20 +11,20 @@ def llm(tiny_model):
 
 
 BAD_ROWS = [
-    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "exactly one of"),
-    ({"max_tokens": 3}, "exactly one of"),
+    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "more than one prompt field"),
+    ({"max_tokens": 3}, "no prompt"),
     ({"prompt": 5}, "prompt must be a string"),
     ({"prompt": "   "}, "prompt is empty"),
     ({"prompt_token_ids": [1, 2, 100000]}, "outside the vocabulary"),
     ({"prompt_token_ids": []}, "prompt_token_ids is empty"),
-    ({"prompt_token_ids": [1, "a"]}, "list of integers"),
+    ({"prompt_token_ids": [1, "a"]}, "prompt_token_ids[1] must be an integer"),
     ({"messages": [{"role": "user"}]}, "messages[0]"),
     ({"prompt": "hi", "temperature": -1.0}, "temperature must be in"),
     ({"prompt": "hi", "top_p": 0.0}, "top_p must be in"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be >= 1"),
     ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens must be an integer"),
     ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos must be true or false"),
-    ({"prompt": "hi", "stop": [""]}, "stop strings must be non-empty"),
+    ({"prompt": "hi", "stop": [""]}, "stop holds an empty string"),
     ({"prompt_token_ids": [1] * 100, "max_tokens": 50}, "exceeds the limit of 128"),
 ]
 
