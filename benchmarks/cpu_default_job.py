@@ -86,8 +86,9 @@ def serve(kind: str, prompts, max_tokens: int, hf_batch_size: int, model_dir, co
 
 
 def start(kind: str, args, prompts, model_dir=None):
-    here, there = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(
         target=serve, args=(kind, prompts, args.max_tokens, args.hf_batch_size, model_dir, there), daemon=True
     )
     proc.start()

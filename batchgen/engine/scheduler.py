@@ -96,13 +96,13 @@ class Scheduler:
                 take(seq, n)
                 budget -= n
 
-        if not (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs):
-            return batch  # nothing to admit: skip summing the running ones' expected use
-        reserved = sum(expected_future_tokens(s) for s in self.running)
+        reserved = None  # the running ones' expected KV use, summed only once a request may be admitted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted with a token still in flight: wait for its read-back
                 break
+            if reserved is None:
+                reserved = sum(expected_future_tokens(s) for s in self.running)
             need = expected_future_tokens(seq)
             if self.running and reserved + need > kv.num_free:
                 break

@@ -16,7 +16,6 @@ from typing import Any
 
 from batchgen.schema import KNOWN_FIELDS, FieldError, check_options, check_prompt, error_result, type_name
 
-INPUT_FIELDS = KNOWN_FIELDS  # the rest of a row's columns are carried through
 
 # Columns every output row has, in file order after `id` and the carried-through columns.
 OUTPUT_FIELDS = (
@@ -100,7 +99,7 @@ class RowChecker:
         data = row.data
         if not isinstance(data, dict):
             return None, self._error(row.index, row.index, f"not a JSON object (got {_json_type(data)})", {})
-        extras = {k: v for k, v in data.items() if k not in INPUT_FIELDS}
+        extras = {k: v for k, v in data.items() if k not in KNOWN_FIELDS}  # carried through
 
         row_id: str | int = row.index
         id_problem = None

@@ -29,8 +29,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.io.rows import INPUT_FIELDS, OUTPUT_FIELDS, ROW_KEY
-from batchgen.schema import OUTPUT_OPTIONS
+from batchgen.io.rows import OUTPUT_FIELDS, ROW_KEY
+from batchgen.schema import KNOWN_FIELDS, OUTPUT_OPTIONS
 
 OUTPUT_TYPES: dict[str, pa.DataType] = {
     "text": pa.string(),
@@ -121,7 +121,7 @@ class Layout:
                 t = input_schema.field("id").type
                 if pa.types.is_string(t) or pa.types.is_large_string(t):
                     id_type = t
-            carried = [f for f in input_schema if f.name not in INPUT_FIELDS]
+            carried = [f for f in input_schema if f.name not in KNOWN_FIELDS]
             self.carried = [f.name for f in carried]
             optional = [pa.field(n, t) for n, t in OPTIONAL_OUTPUT_TYPES.items() if n in input_schema.names]
             self.fixed_schema = pa.schema(
@@ -148,7 +148,7 @@ class Layout:
         names: dict[str, None] = {}  # carried-through names, in order of first appearance
         for r in rows:
             for k in r:
-                if k != "id" and k not in OUTPUT_TYPES and k != ROW_KEY and k not in INPUT_FIELDS:
+                if k != "id" and k not in OUTPUT_TYPES and k != ROW_KEY and k not in KNOWN_FIELDS:
                     names.setdefault(k)
         fields, arrays = [], []
         id_values = [r.get("id") for r in rows]
