@@ -41,10 +41,8 @@ class LLMEngine:
             if self.workers is None:
                 raise
             self.workers.fail(e)
-        if self.workers is not None:
-            if self.runner.graphs is not None:
-                self.workers.release_graphs = self.runner.graphs.release
-            self.workers.rank0_polls = True  # step() reads results back through StepOutput.read(check)
+        if self.workers is not None:  # step() reads results back through StepOutput.read(check)
+            self.workers.runner_ready(self.runner.graphs.release if self.runner.graphs is not None else None)
         self.kv = self.runner.kv
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.runner.max_num_batched_tokens)
         # a request longer than this can never run: the model's length, or the whole pool

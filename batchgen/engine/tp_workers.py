@@ -79,12 +79,7 @@ class TPWorkers:
         self._closing = False
         self._lock = threading.Lock()
         self.tp: TensorParallel | None = None
-        # Set by the engine once its runner is built. release_graphs frees rank 0's CUDA graphs
-        # (close() must, before NCCL can free the communicators). rank0_polls: from then on rank 0
-        # never blocks on the device but polls check(), so the monitor leaves the abort to close():
-        # NCCL's abort holds the group's lock until the graphs are freed, and a collective that rank
-        # 0 launched meanwhile would wait on that lock.
-        self.release_graphs: Callable[..., None] | None = None
+        self.release_graphs: Callable[..., None] | None = None  # see runner_ready
         self.rank0_polls = False
         ctx = mp.get_context("spawn")
         self.procs, self.steps, self.lives = [], [], []
@@ -117,6 +112,14 @@ class TPWorkers:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+    def runner_ready(self, release_graphs: Callable[..., None] | None) -> None:
+        """Rank 0's runner is built. release_graphs frees its CUDA graphs (close() must, before NCCL
+        can free the communicators). From now on rank 0 never blocks on the device but polls
+        check(), so the monitor leaves the abort to close(): NCCL's abort holds the group's lock
+        until the graphs are freed, and a collective that rank 0 launched meanwhile would wait on it."""
+        self.release_graphs = release_graphs
+        self.rank0_polls = True
 
     # ---- per step ------------------------------------------------------------------------------
     def send(self, inputs: StepInputs) -> None:
