@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward.batch import ForwardBatch
 from batchgen.engine.kv_cache import KVCache
 
 

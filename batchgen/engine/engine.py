@@ -10,7 +10,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from batchgen.config import EngineConfig
-from batchgen.engine.parallel import SINGLE
+from batchgen.forward.parallel import SINGLE
 from batchgen.engine.request import Sequence, Status, make_sequence
 from batchgen.engine.runner import ModelRunner, StepOutput
 from batchgen.engine.scheduler import Scheduler

@@ -57,7 +57,7 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed = 0
         self.num_pending = 0  # sampled on the device, not yet read back
-        self.sample_index = -1  # row of this sequence's token in the last launched step's samples
+        self.logits_row = -1  # row of this sequence's token in the last launched step's samples
         self.num_prompt_scored = 0  # prompt positions already scored for prompt_logprobs
         self.row = -1
         self.slots = array("q")  # KV slots of positions 0..num_computed-1

@@ -12,9 +12,9 @@ import torch
 from batchgen.config import EngineConfig
 from batchgen.engine.cpu_memory import keep_freed_memory
 from batchgen.engine.cuda_graphs import DecodeGraphs
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward.batch import ForwardBatch
 from batchgen.engine.kv_cache import KVCache
-from batchgen.engine.parallel import SINGLE, TensorParallel
+from batchgen.forward.parallel import SINGLE, TensorParallel
 from batchgen.engine.request import Sequence
 from batchgen.engine.scheduler import ScheduledBatch
 from batchgen.engine.staging import Staging
@@ -149,6 +149,7 @@ class ModelRunner:
             logits_indices=(starts + torch.tensor(lens) - 1).to(self.device),
         )
         with torch.inference_mode():
+            record_slots(batch)
             logits = self.forward(batch)  # one row per sequence: max_num_seqs rows
             sample(logits, self._profile_sampling(logits.shape[0]))
         torch.cuda.synchronize(self.device)
@@ -189,7 +190,7 @@ class ModelRunner:
                     input_ids.append(seq.token_ids[start])
                 else:  # sampled by the step in flight: taken from its output on the device
                     pending_dst.append(first)
-                    pending_src.append(seq.sample_index)
+                    pending_src.append(seq.logits_row)
                     input_ids.append(0)
                 positions.append(start)
                 token_rows.append(seq.row)
@@ -254,13 +255,13 @@ class ModelRunner:
         """The model on one step (every rank) -> logits [num_logits, V] fp32. Decode-only steps
         that score no prompt tokens replay a CUDA graph."""
         fb = self.forward_batch(inputs, previous_tokens)
+        record_slots(fb)  # outside any graph: the number of table writes varies from step to step
         if self.graphs is not None and inputs.num_logits == inputs.num_sampled and self.graphs.can_run(fb):
             return self.graphs.run(fb)
         return self.forward(fb)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Record the new tokens' slots in the token table, run the model -> logits [S, V] fp32."""
-        fb.req_to_token[fb.token_rows.long(), fb.positions] = fb.out_slots.to(torch.int32)
+        """The model on a batch whose slots are in the token table -> logits [S, V] fp32."""
         return self.model.compute_logits(self.model(fb))
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
@@ -306,7 +307,7 @@ class ModelRunner:
             lp = torch.log_softmax(logits[num_sampled:], dim=-1)
             outputs.append(lp.gather(1, targets[:, None]).squeeze(1))
         for i, seq in enumerate(samplers):
-            seq.sample_index = i
+            seq.logits_row = i
             seq.num_pending += 1
         return StepOutput(samplers, wanting, [(seq, count) for seq, count, _ in scored], tokens,
                           torch.cat(outputs) if outputs else None, self.staging)
@@ -319,6 +320,11 @@ class ModelRunner:
         if inputs.num_sampled == 0:
             return None
         return self.tp.broadcast(torch.empty(inputs.num_sampled, dtype=torch.int64, device=self.device))
+
+
+def record_slots(fb: ForwardBatch) -> None:
+    """Write the step's new tokens' slots into the token table: req_to_token[row, position] = slot."""
+    fb.req_to_token[fb.token_rows.long(), fb.positions] = fb.out_slots.to(torch.int32)
 
 
 class StepOutput:

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from batchgen.config import EngineConfig
-from batchgen.engine.parallel import TensorParallel, connect
+from batchgen.forward.parallel import TensorParallel, connect
 from batchgen.engine.step_inputs import StepInputs
 
 EXIT_STOPPED, EXIT_FAILED, EXIT_PARENT_GONE = 0, 1, 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.engine.forward_batch import ForwardBatch
+from batchgen.forward.batch import ForwardBatch
 from batchgen.kernels import decode_attention, prefill_attention, store_kv
 
 

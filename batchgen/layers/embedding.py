@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engine.parallel import SINGLE, TensorParallel
+from batchgen.forward.parallel import SINGLE, TensorParallel
 from batchgen.layers.packed_linear import PackableWeight
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.engine.parallel import SINGLE, TensorParallel
+from batchgen.forward.parallel import SINGLE, TensorParallel
 from batchgen.layers.packed_linear import PackableWeight
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.engine.forward_batch import ForwardBatch
-from batchgen.engine.parallel import SINGLE, TensorParallel
+from batchgen.forward.batch import ForwardBatch
+from batchgen.forward.parallel import SINGLE, TensorParallel
 from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.attention import Attention
 from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding

@@ -209,7 +209,7 @@ def test_abort_waits_a_bounded_time_and_runs_once():
     second call waits on the same abort instead of starting another."""
     import threading
 
-    from batchgen.engine.parallel import TensorParallel
+    from batchgen.forward.parallel import TensorParallel
 
     class SlowGroup:
         def __init__(self):
