@@ -105,10 +105,13 @@ class GpuBusy:
         return round(sum(self.samples) / len(self.samples), 1) if self.samples else None
 
 
-def run_batchgen(model_dir: Path, requests: list[dict], temperature: float, tp: int = 1) -> dict:
+def run_batchgen(model_dir: Path, requests: list[dict], temperature: float, tp: int = 1, warm_up: bool = True) -> dict:
+    start = time.perf_counter()
     llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp)
+    startup = time.perf_counter() - start  # weights, KV pool, kernel warm-up, CUDA graph captures
     params = SamplingParams(temperature=temperature, ignore_eos=True)
-    llm.generate_list(requests[:2], params)  # warm-up: kernels compiled, allocator primed
+    if warm_up:  # a first small job; --no-warm-up measures a user's first job right after start-up
+        llm.generate_list(requests[:2], params)
     torch.cuda.synchronize()
     with GpuBusy() as busy:
         start = time.perf_counter()
@@ -120,7 +123,7 @@ def run_batchgen(model_dir: Path, requests: list[dict], temperature: float, tp: 
     del llm
     torch.cuda.empty_cache()
     return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "ttft_p50_s": ttft[len(ttft) // 2],
-            "gpu_busy_pct": busy.percent}
+            "gpu_busy_pct": busy.percent, "startup_s": startup}
 
 
 def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
@@ -178,6 +181,8 @@ def main(argv=None):
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--models-dir", default="/tmp/batchgen-bench-models")
+    ap.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                    help="time the first job right after start-up (with a fresh TRITON_CACHE_DIR: a first run)")
     ap.add_argument("--json-out", help="append the JSON lines to this file")
     ap.add_argument("--plot", help="write a PNG bar chart of this run's lines")
     args = ap.parse_args(argv)
@@ -186,12 +191,13 @@ def main(argv=None):
         model_dir = build_model(name, Path(args.models_dir))
         for workload in args.workload:
             requests = make_requests(workload, MODELS[name][1]["vocab_size"])
-            ours = run_batchgen(model_dir, requests, args.temperature, args.tensor_parallel_size)
+            ours = run_batchgen(model_dir, requests, args.temperature, args.tensor_parallel_size, args.warm_up)
             line = {"workload": workload, "model": name, "gpu": torch.cuda.get_device_name(),
                     "tp": args.tensor_parallel_size, "torch": torch.__version__, "requests": len(requests),
                     "temperature": args.temperature, "batchgen_tok_s": round(ours["tok_s"], 1),
                     "batchgen_wall_s": round(ours["wall_s"], 2), "batchgen_ttft_p50_s": round(ours["ttft_p50_s"], 3),
-                    "gpu_busy_pct": ours["gpu_busy_pct"]}
+                    "gpu_busy_pct": ours["gpu_busy_pct"], "startup_s": round(ours["startup_s"], 2),
+                    "warm_up_job": args.warm_up}
             if workload == "W-decode1":
                 line["ms_per_token"] = round(1000 / ours["tok_s"], 3)
             if args.hf_requests:

@@ -1,13 +1,25 @@
-"""CUDA graphs for decode-only steps: one graph per batch size of a ladder (1, 2, 4, 8, 16, 32, ...,
-max_num_seqs), all sharing one memory pool. A decode batch of n sequences replays the smallest graph
-of at least n, its extra entries padded to a reserved row and slot of the KV pool. Mixed (prefill)
-steps run eagerly."""
+"""CUDA graphs of the model's forward, so that a step costs one replay instead of hundreds of kernel
+launches from Python. Two ladders, all graphs sharing one memory pool:
+
+- decode graphs, one per batch size (1, 2, 4, 8, 16, 32, ..., max_num_seqs), for decode-only steps:
+  the split-KV decode attention kernel, which spreads long contexts over the GPU;
+- step graphs, one per padded token count (64, 128, ..., max_num_batched_tokens), for steps that
+  carry prefill chunks (mixed or prefill-only): one unified attention launch per layer serves the
+  decode and prefill queries alike from device-side metadata (docs/STEP.md).
+
+A graph holds the model from the embedding to the final norm at the logits rows; the LM head runs
+after the replay on exactly the rows that sample (its width would make padded rows costly, and its
+output would otherwise have to live in the pool once per graph). A step of n tokens (or sequences)
+replays the smallest graph of at least n: padding tokens write their K/V to the pool's reserved
+slot, padding sequences have no queries and read the reserved row. Steps above the largest size,
+and steps that score prompt tokens, run eagerly.
+"""
 from __future__ import annotations
 
 import torch
 
-from batchgen.forward.batch import ForwardBatch
 from batchgen.engine.kv_cache import KVCache
+from batchgen.forward.batch import ForwardBatch
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -15,65 +27,124 @@ def batch_size_ladder(max_bs: int) -> list[int]:
     return sizes + [max_bs]
 
 
-class DecodeGraphs:
-    def __init__(self, forward, kv: KVCache, max_bs: int, device: torch.device):
-        """forward(ForwardBatch) -> logits [n, V]; kv: the pool the graphs read and write."""
+def token_count_ladder(max_tokens: int) -> list[int]:
+    """64-token steps up to 512, 128 up to 2048, 512 beyond: padding stays under ~25% of a step."""
+    sizes = list(range(64, min(512, max_tokens) + 1, 64))
+    sizes += list(range(640, min(2048, max_tokens) + 1, 128))
+    sizes += list(range(2560, max_tokens + 1, 512))
+    if not sizes or sizes[-1] != max_tokens:
+        sizes.append(max_tokens)
+    return sorted(set(sizes))
+
+
+class ModelGraphs:
+    def __init__(self, model, kv: KVCache, max_num_seqs: int, max_tokens: int, device: torch.device,
+                 step_graphs: bool = True):
+        """model(ForwardBatch) -> hidden states [S, H] of the batch's logits rows; kv: the pool the
+        graphs read and write; max_tokens: the step token budget (the largest step graph)."""
         self.kv = kv
-        self.sizes = batch_size_ladder(max_bs)
+        self.max_num_seqs = max_num_seqs
+        self.decode_sizes = batch_size_ladder(max_num_seqs)
+        self.step_sizes = token_count_ladder(max_tokens) if step_graphs else []
+        max_t = max([self.decode_sizes[-1], *self.step_sizes])
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        # static inputs: the graphs read these addresses; each replay refills them
-        self.input_ids = torch.zeros(max_bs, **i64)
-        self.positions = torch.zeros(max_bs, **i64)
-        self.out_slots = torch.full((max_bs,), kv.pad_slot, **i64)
-        self.rows = torch.full((max_bs,), kv.pad_row, **i32)
-        self.kv_lens = torch.ones(max_bs, **i32)
-        self.logits_indices = torch.arange(max_bs, **i64)
-        empty32 = torch.zeros(0, **i32)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Static inputs: the graphs read these addresses; each replay refills them.
+        self.input_ids = torch.zeros(max_t, **i64)
+        self.positions = torch.zeros(max_t, **i64)
+        self.out_slots = torch.full((max_t,), kv.pad_slot, **i64)
+        self.logits_indices = torch.zeros(max_t, **i64)
+        # per sequence (decode graphs: per token), padded to max_num_seqs
+        self.seq_rows = torch.full((max_num_seqs,), kv.pad_row, **i32)
+        self.kv_lens = torch.ones(max_num_seqs, **i32)
+        self.q_start = torch.zeros(max_num_seqs + 1, **i32)
+        self.device = device
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        captures = [("step", n) for n in self.step_sizes] + [("decode", n) for n in self.decode_sizes]
         pool = None
-        for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
-            fb = ForwardBatch(
-                input_ids=self.input_ids[:bs], positions=self.positions[:bs], out_slots=self.out_slots[:bs],
-                token_rows=self.rows[:bs], req_to_token=kv.req_to_token, num_decode=bs,
-                decode_rows=self.rows[:bs], decode_kv_lens=self.kv_lens[:bs],
-                decode_max_kv_len=kv.req_to_token.shape[1],  # any length: kernels read kv_lens
-                prefill_rows=empty32, prefill_q_start=empty32, prefill_q_lens=empty32, prefill_kv_lens=empty32,
-                prefill_max_q_len=0, logits_indices=self.logits_indices[:bs],
-            )
-            forward(fb)  # warm-up outside the capture: compiles kernels, creates library handles
+        for kind, n in sorted(captures, key=lambda c: -c[1]):  # largest first: the rest reuse its memory
+            fb = self._static_batch(kind, n)
+            model(fb)  # warm-up outside the capture: compiles kernels, creates library handles
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = forward(fb)
+                hidden = model(fb)
             pool = graph.pool()
-            self.graphs[bs] = (graph, logits)
+            self.graphs[(kind, n)] = (graph, hidden)
         torch.cuda.synchronize(device)
 
-    def can_run(self, fb: ForwardBatch) -> bool:
-        return bool(self.graphs) and fb.num_prefill == 0 and 0 < fb.num_decode <= self.sizes[-1]
+    def _static_batch(self, kind: str, n: int) -> ForwardBatch:
+        """The batch a graph of this kind and size is captured on: views of the static buffers."""
+        req_to_token = self.kv.req_to_token
+        width = req_to_token.shape[1]
+        empty32 = self.seq_rows[:0]
+        common = dict(input_ids=self.input_ids[:n], positions=self.positions[:n], out_slots=self.out_slots[:n],
+                      req_to_token=req_to_token)
+        if kind == "decode":
+            rows, lens = self.seq_rows[:n], self.kv_lens[:n]
+            return ForwardBatch(
+                **common, token_rows=rows, num_decode=n, decode_rows=rows, decode_kv_lens=lens,
+                decode_max_kv_len=width,  # any length: the kernel reads kv_lens
+                prefill_rows=empty32, prefill_q_start=empty32, prefill_q_lens=empty32, prefill_kv_lens=empty32,
+                prefill_max_q_len=0, logits_indices=self.logits_indices[:n],
+            )
+        num_logits = min(n, self.max_num_seqs)
+        return ForwardBatch(
+            **common, token_rows=empty32, num_decode=0, decode_rows=empty32, decode_kv_lens=empty32,
+            decode_max_kv_len=0, prefill_rows=empty32, prefill_q_start=empty32, prefill_q_lens=empty32,
+            prefill_kv_lens=empty32, prefill_max_q_len=0, logits_indices=self.logits_indices[:num_logits],
+            unified=True, seq_rows=self.seq_rows, q_start=self.q_start, kv_lens=self.kv_lens,
+        )
+
+    def pick(self, fb: ForwardBatch, num_logits: int) -> tuple[str, int] | None:
+        """The graph that runs this batch, or None (eager)."""
+        if not self.graphs:
+            return None
+        if fb.num_prefill == 0:
+            n = fb.num_decode
+            size = next((s for s in self.decode_sizes if s >= n), None)
+            return ("decode", size) if size is not None and n > 0 else None
+        num_tokens = fb.input_ids.shape[0]
+        size = next((s for s in self.step_sizes if s >= num_tokens), None)
+        if size is None or num_logits > min(size, self.max_num_seqs) or fb.num_seqs > self.max_num_seqs:
+            return None
+        return ("step", size)
+
+    def run(self, fb: ForwardBatch, key: tuple[str, int]) -> torch.Tensor:
+        """Replay the graph `key` (from pick) on fb -> hidden states [S, H] of fb's logits rows (a view
+        of the graph's output, valid until the next replay)."""
+        kind, size = key
+        n = fb.input_ids.shape[0]
+        self.input_ids[:n].copy_(fb.input_ids)
+        self.positions[:n].copy_(fb.positions)
+        self.out_slots[:n].copy_(fb.out_slots)
+        num_logits = fb.logits_indices.shape[0]
+        self.logits_indices[:num_logits].copy_(fb.logits_indices)
+        if size > n:  # padding tokens: position 0, K/V to the reserved slot
+            self.positions[n:size].zero_()
+            self.out_slots[n:size].fill_(self.kv.pad_slot)
+        b = fb.num_seqs
+        if kind == "decode":  # padding entries: the reserved row, a context of one token (its slot)
+            self.seq_rows[:b].copy_(fb.decode_rows)
+            self.kv_lens[:b].copy_(fb.decode_kv_lens)
+            self.seq_rows[b:size].fill_(self.kv.pad_row)
+            self.kv_lens[b:size].fill_(1)
+        else:  # padding sequences: no queries (q_start stays at n), no context
+            self.seq_rows[:b].copy_(fb.seq_rows)
+            self.kv_lens[:b].copy_(fb.kv_lens)
+            self.q_start[: b + 1].copy_(fb.q_start)
+            self.seq_rows[b:].fill_(self.kv.pad_row)
+            self.kv_lens[b:].zero_()
+            self.q_start[b + 1 :].fill_(n)
+            self.logits_indices[num_logits : min(size, self.max_num_seqs)].zero_()
+        graph, hidden = self.graphs[key]
+        graph.replay()
+        return hidden[:num_logits]
 
     def release(self, wait: bool = True) -> None:
         """Free the graphs now (wait: after the device finishes their work). Under tensor
         parallelism this must come before the NCCL communicator is torn down: NCCL keeps every
         communicator that a live graph captured, and its abort/destroy waits for those graphs."""
         if wait and self.graphs:
-            torch.cuda.synchronize(self.input_ids.device)
+            torch.cuda.synchronize(self.device)
         for graph, _ in self.graphs.values():
             graph.reset()
         self.graphs.clear()
-
-    def run(self, fb: ForwardBatch) -> torch.Tensor:
-        """Replay for a decode-only batch -> logits [n, V] (a view of the graph's output)."""
-        n = fb.num_decode
-        bs = next(size for size in self.sizes if size >= n)
-        self.input_ids[:n].copy_(fb.input_ids)
-        self.positions[:n].copy_(fb.positions)
-        self.out_slots[:n].copy_(fb.out_slots)
-        self.rows[:n].copy_(fb.decode_rows)
-        self.kv_lens[:n].copy_(fb.decode_kv_lens)
-        if bs > n:  # padding entries: the reserved row and slot, a context of one token
-            self.out_slots[n:bs].fill_(self.kv.pad_slot)
-            self.rows[n:bs].fill_(self.kv.pad_row)
-            self.kv_lens[n:bs].fill_(1)
-        graph, logits = self.graphs[bs]
-        graph.replay()
-        return logits[:n]

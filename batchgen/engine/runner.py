@@ -2,6 +2,7 @@
 ForwardBatch, runs the model and samples."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -11,7 +12,7 @@ import torch
 
 from batchgen.config import EngineConfig
 from batchgen.engine.cpu_memory import keep_freed_memory
-from batchgen.engine.cuda_graphs import DecodeGraphs
+from batchgen.engine.cuda_graphs import ModelGraphs
 from batchgen.forward.batch import ForwardBatch
 from batchgen.engine.kv_cache import KVCache
 from batchgen.forward.parallel import SINGLE, TensorParallel
@@ -19,6 +20,7 @@ from batchgen.engine.request import Sequence
 from batchgen.engine.scheduler import ScheduledBatch
 from batchgen.engine.staging import Staging
 from batchgen.engine.step_inputs import HEADER, StepInputs
+from batchgen.engine.warmup import synthetic_batch, warm_up
 from batchgen.layers.sampler import SamplingBatch, sample
 from batchgen.models.loader import build_model
 from batchgen.models.model_config import ModelConfig
@@ -78,9 +80,12 @@ class ModelRunner:
         # every rank holds the same slots (its share of the heads): the pool is what the tightest rank fits
         self.kv = self._make_kv_cache(tp.min_over_ranks(self._num_kv_slots()))
         self.graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs:
-            with torch.inference_mode():
-                self.graphs = DecodeGraphs(self.forward, self.kv, config.max_num_seqs, self.device)
+        if self.device.type == "cuda":
+            warm_up(self)  # before any job's timing: every kernel specialization an eager step uses
+            if config.cuda_graphs:
+                with torch.inference_mode():
+                    self.graphs = ModelGraphs(self.model, self.kv, config.max_num_seqs, self.max_num_batched_tokens,
+                                              self.device)
 
     # ---- KV pool -------------------------------------------------------------------------------
     def _make_kv_cache(self, num_slots: int) -> KVCache:
@@ -103,11 +108,13 @@ class ModelRunner:
             budget = cfg.cpu_kv_cache_gb * 2**30
         else:
             peak = self._profile_peak_bytes()
+            # CUDA graphs keep a memory pool of their own, as large as the largest graphed step
+            peaks = 2 if cfg.cuda_graphs else 1
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * cfg.gpu_memory_utilization - (total - free) - peak
+            budget = total * cfg.gpu_memory_utilization - (total - free) - peaks * peak
             self._memory_note = (
                 f": {total / 2**30:.1f} GiB x {cfg.gpu_memory_utilization} minus {(total - free) / 2**30:.1f} GiB "
-                f"in use minus a {peak / 2**30:.1f} GiB activation peak"
+                f"in use minus {peaks} x a {peak / 2**30:.1f} GiB activation peak"
             )
             log.info("KV cache budget %.1f GiB%s", budget / 2**30, self._memory_note)
         slots = min(int(budget // per_token), useful)
@@ -130,24 +137,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        starts = torch.tensor([0] + lens[:-1]).cumsum(0)
-        batch = ForwardBatch(
-            input_ids=torch.zeros(tokens, dtype=torch.int64, device=self.device),
-            positions=torch.cat([torch.arange(n) for n in lens]).to(self.device),
-            out_slots=torch.arange(tokens, device=self.device),
-            token_rows=torch.cat([torch.full((n,), row) for row, n in enumerate(lens)]).to(self.device),
-            req_to_token=scratch.req_to_token,
-            num_decode=0,
-            decode_rows=torch.zeros(0, dtype=torch.int32, device=self.device),
-            decode_kv_lens=torch.zeros(0, dtype=torch.int32, device=self.device),
-            decode_max_kv_len=0,
-            prefill_rows=torch.arange(len(lens), dtype=torch.int32, device=self.device),
-            prefill_q_start=starts.to(torch.int32).to(self.device),
-            prefill_q_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            prefill_kv_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            prefill_max_q_len=max(lens),
-            logits_indices=(starts + torch.tensor(lens) - 1).to(self.device),
-        )
+        batch = synthetic_batch(scratch, self.device, [], [(n, n) for n in lens])
         with torch.inference_mode():
             record_slots(batch)
             logits = self.forward(batch)  # one row per sequence: max_num_seqs rows
@@ -212,14 +202,12 @@ class ModelRunner:
         nd = batch.num_decode
         rows = [s.row for s in batch.seqs]
         kv_lens = [start + n for start, n in zip(batch.starts, batch.num_new)]
-        q_start, offset = [], 0
-        for n in batch.num_new[nd:]:
-            q_start.append(offset)
-            offset += n
+        cu_q = [0, *itertools.accumulate(batch.num_new)]
+        q_start = [c - nd for c in cu_q[nd:-1]]
         inputs = StepInputs.pack(
             [nd, len(samplers), max(kv_lens[:nd], default=0), max(batch.num_new[nd:], default=0)],
             [input_ids, positions, batch.slots, logits_indices, pending_dst, pending_src,
-             token_rows, rows, kv_lens, q_start, batch.num_new[nd:]],
+             token_rows, rows, kv_lens, q_start, batch.num_new[nd:], cu_q],
         )
         return inputs, samplers, scored
 
@@ -246,19 +234,25 @@ class ModelRunner:
             prefill_kv_lens=a["kv_lens"][nd:],
             prefill_max_q_len=inputs.prefill_max_q_len,
             logits_indices=a["logits_indices"],
+            seq_rows=a["rows"],
+            q_start=a["cu_q"],
+            kv_lens=a["kv_lens"],
         )
         if inputs.has_pending:
             fb.input_ids[a["pending_dst"]] = previous_tokens[a["pending_src"]]
         return fb
 
     def run_step(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor:
-        """The model on one step (every rank) -> logits [num_logits, V] fp32. Decode-only steps
-        that score no prompt tokens replay a CUDA graph."""
+        """The model on one step (every rank) -> logits [num_logits, V] fp32. Steps that score no
+        prompt tokens replay a CUDA graph (docs/STEP.md); the LM head runs after the replay, on
+        exactly the rows that sample."""
         fb = self.forward_batch(inputs, previous_tokens)
         record_slots(fb)  # outside any graph: the number of table writes varies from step to step
-        if self.graphs is not None and inputs.num_logits == inputs.num_sampled and self.graphs.can_run(fb):
-            return self.graphs.run(fb)
-        return self.forward(fb)
+        key = None
+        if self.graphs is not None and inputs.num_logits == inputs.num_sampled:
+            key = self.graphs.pick(fb, inputs.num_logits)
+        hidden = self.graphs.run(fb, key) if key is not None else self.model(fb)
+        return self.model.compute_logits(hidden)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """The model on a batch whose slots are in the token table -> logits [S, V] fp32."""

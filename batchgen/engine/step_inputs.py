@@ -24,8 +24,9 @@ INT32_FIELDS = (
     "token_rows",  # [T]
     "rows",  # [B], decodes first
     "kv_lens",  # [B]
-    "q_start",  # [P], prefill chunks only
+    "q_start",  # [P], prefill chunks only, relative to the first prefill token
     "q_lens",  # [P]
+    "cu_q",  # [B + 1], every sequence: sequence i's tokens are [cu_q[i], cu_q[i + 1])
 )
 FIELDS = INT64_FIELDS + INT32_FIELDS
 SCALARS = ("num_decode", "num_sampled", "decode_max_kv_len", "prefill_max_q_len")

@@ -28,7 +28,17 @@ class ForwardBatch:
     prefill_kv_lens: torch.Tensor  # [P] int32, cached tokens + chunk
     prefill_max_q_len: int
     logits_indices: torch.Tensor  # [S] int64, tokens whose next-token logits are sampled
+    # Every sequence at once (decodes first), for attention in one launch (a step graph's
+    # kernels/unified_attention.py): sequence i's queries are tokens [q_start[i], q_start[i + 1]).
+    unified: bool = False  # attend through seq_rows / q_start / kv_lens instead of the split paths
+    seq_rows: torch.Tensor | None = None  # [B] int32, req_to_token row of each sequence
+    q_start: torch.Tensor | None = None  # [B + 1] int32, cumulative query counts
+    kv_lens: torch.Tensor | None = None  # [B] int32, context length including the new tokens
 
     @property
     def num_prefill(self) -> int:
         return self.prefill_rows.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_decode + self.num_prefill

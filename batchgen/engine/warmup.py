@@ -1,0 +1,104 @@
+"""Start-up work on a GPU that would otherwise land inside a job's timing: Triton compiles a kernel
+the first time it meets each specialization (integer arguments are specialized on being 1 or a
+multiple of 16), and the first job on a fresh machine paid seconds of compilation per kernel. Here
+every kernel the engine launches eagerly runs once on synthetic steps, before the CUDA graphs are
+captured (the captures' own warm-up forwards compile what the graphs hold)."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from batchgen.engine.kv_cache import KVCache
+from batchgen.forward.batch import ForwardBatch
+from batchgen.layers.sampler import SamplingBatch, sample
+
+log = logging.getLogger("batchgen")
+
+
+def triton_cache_dir() -> Path:
+    try:
+        from triton import knobs
+
+        return Path(knobs.cache.dir)
+    except (ImportError, AttributeError):  # Triton before 3.4
+        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def synthetic_batch(kv: KVCache, device: torch.device, decode_lens: list[int],
+                    chunks: list[tuple[int, int]]) -> ForwardBatch:
+    """A step of decodes (their context lengths) then prefill chunks ((new tokens, context length)),
+    on rows 0.. of kv's token table and its first slots; its values are meaningless, its shapes real."""
+    q_lens = [1] * len(decode_lens) + [q for q, _ in chunks]
+    kv_lens = list(decode_lens) + [n for _, n in chunks]
+    num_tokens, nd = sum(q_lens), len(decode_lens)
+    cu_q = [0]
+    for q in q_lens:
+        cu_q.append(cu_q[-1] + q)
+    positions = [n - q + j for q, n in zip(q_lens, kv_lens) for j in range(q)]
+    rows = [i % kv.pad_row for i in range(len(q_lens))]
+    logits = [end - 1 for end in cu_q[1:]]  # every sequence samples
+
+    def i32(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    def i64(values):
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=i64(positions),
+        out_slots=torch.arange(num_tokens, device=device) % kv.num_slots,
+        token_rows=i32([r for r, q in zip(rows, q_lens) for _ in range(q)]),
+        req_to_token=kv.req_to_token,
+        num_decode=nd,
+        decode_rows=i32(rows[:nd]),
+        decode_kv_lens=i32(kv_lens[:nd]),
+        decode_max_kv_len=max(kv_lens[:nd], default=0),
+        prefill_rows=i32(rows[nd:]),
+        prefill_q_start=i32([c - nd for c in cu_q[nd:-1]]),
+        prefill_q_lens=i32(q_lens[nd:]),
+        prefill_kv_lens=i32(kv_lens[nd:]),
+        prefill_max_q_len=max(q_lens[nd:], default=0),
+        logits_indices=i64(logits),
+        seq_rows=i32(rows),
+        q_start=i32(cu_q),
+        kv_lens=i32(kv_lens),
+    )
+
+
+def warm_sampling(num_rows: int, vocab_size: int, device: torch.device) -> None:
+    """The sampler's kernels on every path a step can take: greedy, Gumbel-max, top-k/top-p."""
+    logits = torch.randn(num_rows, vocab_size, device=device)
+    dev = dict(device=device)
+    for top in (False, True):
+        sample(logits, SamplingBatch(
+            temperatures=torch.full((num_rows,), 0.7, **dev), top_ks=torch.full((num_rows,), 50, **dev),
+            top_ps=torch.full((num_rows,), 0.9, **dev), seeds=torch.arange(num_rows, **dev),
+            steps=torch.zeros(num_rows, dtype=torch.int64, **dev), all_greedy=False, use_top_k_top_p=top,
+        ))
+    sample(logits, SamplingBatch(None, None, None, None, None, True, False))
+
+
+def warm_up(runner) -> None:
+    """Run every eager kernel specialization once (runner: a ModelRunner on CUDA with its KV pool)."""
+    cache = triton_cache_dir()
+    fresh = not cache.exists() or not any(cache.iterdir())
+    log.info("compiling kernels (first run on this machine)..." if fresh else "warming up kernels...")
+    start = time.perf_counter()
+    kv, dev = runner.kv, runner.device
+    # token counts 1, 2 (odd), 17 (odd), 64 (a multiple of 16); decode-only, prefill-only and mixed
+    steps = [([5], []), ([5, 9], []), ([], [(17, 17)]), ([7, 3], [(15, 40)]), ([8] * 16, [(48, 48)])]
+    with torch.inference_mode():
+        for decode_lens, chunks in steps:
+            fb = synthetic_batch(kv, dev, decode_lens, chunks)
+            fb.req_to_token[fb.token_rows.long(), fb.positions] = fb.out_slots.to(torch.int32)
+            logits = runner.model.compute_logits(runner.model(fb))
+            warm_sampling(logits.shape[0], logits.shape[1], dev)
+        fb.req_to_token.zero_()
+        kv.req_to_token[kv.pad_row, 0] = kv.pad_slot
+    torch.cuda.synchronize(dev)
+    log.info("kernels ready in %.1fs", time.perf_counter() - start)
