@@ -10,6 +10,7 @@ from batchgen.kernels.silu_and_mul import silu_and_mul
 from batchgen.kernels.store_kv import store_kv
 from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.decode_attention import decode_attention
+from batchgen.kernels.unified_attention import unified_attention
 from batchgen.kernels.gumbel_argmax import gumbel_argmax
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "store_kv",
     "prefill_attention",
     "decode_attention",
+    "unified_attention",
     "gumbel_argmax",
 ]

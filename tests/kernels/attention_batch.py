@@ -16,14 +16,17 @@ class Batch:
     kv_lens: torch.Tensor  # [B] int32
 
 
-def make_batch(seqs, q_heads, kv_heads, head_dim, dtype, device, seed=0, table_len=None) -> Batch:
+def make_batch(
+    seqs, q_heads, kv_heads, head_dim, dtype, device, seed=0, table_len=None, pad_tokens=0, num_slots=None
+) -> Batch:
     """seqs: [(q_len, kv_len)] per sequence. Slots are a random permutation of the pool, request
     rows are shuffled, and unused table entries hold an out-of-range slot that must never be read.
-    table_len: columns of req_to_token (default: the longest context + 5)."""
+    table_len: columns of req_to_token (default: the longest context + 5); pad_tokens: rows of q
+    past the last sequence's (NaN); num_slots: size of the pool (default: the contexts' total + 7)."""
     gen = torch.Generator().manual_seed(seed)
     q_lens = [q for q, _ in seqs]
     kv_lens = [kv for _, kv in seqs]
-    num_slots = sum(kv_lens) + 7
+    num_slots = num_slots or sum(kv_lens) + 7
     rows = len(seqs) + 3
     req_to_token = torch.full((rows, table_len or max(kv_lens) + 5), 1 << 30, dtype=torch.int32)
     req_rows = torch.randperm(rows, generator=gen)[: len(seqs)]
@@ -33,7 +36,8 @@ def make_batch(seqs, q_heads, kv_heads, head_dim, dtype, device, seed=0, table_l
         req_to_token[row, :kv_len] = slots[used : used + kv_len].int()
         used += kv_len
     total = sum(q_lens)
-    qkv = torch.randn(total, (q_heads + 2 * kv_heads) * head_dim, generator=gen)
+    qkv = torch.randn(total + pad_tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen)
+    qkv[total:] = float("nan")
     k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
     q_start = torch.tensor([0] + q_lens[:-1]).cumsum(0)
@@ -42,7 +46,7 @@ def make_batch(seqs, q_heads, kv_heads, head_dim, dtype, device, seed=0, table_l
         return x.to(device=device, dtype=dt)
 
     return Batch(
-        q=dev(qkv, dtype)[:, : q_heads * head_dim].view(total, q_heads, head_dim),
+        q=dev(qkv, dtype)[:, : q_heads * head_dim].view(total + pad_tokens, q_heads, head_dim),
         k_cache=dev(k_cache, dtype),
         v_cache=dev(v_cache, dtype),
         req_to_token=dev(req_to_token),

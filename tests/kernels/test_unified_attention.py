@@ -1,0 +1,146 @@
+import random
+
+import pytest
+import torch
+
+from tests.kernels.attention_batch import make_batch
+from batchgen.kernels.unified_attention import (
+    _unified_attention_launch,
+    unified_attention_ref,
+    unified_attention_triton,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (Hq, Hk, D): GQA, a group of 7 with head_dim not a power of 2, MHA; on the GPU llama-3.2-1b,
+# llama-3.1-8b, MHA, Qwen2.5-0.5b (14/2), head_dim 80 and 256, a group of 16.
+HEADS = [(4, 2, 32), (7, 1, 24), (3, 3, 16)] + [
+    pytest.param(*h, marks=pytest.mark.gpu)
+    for h in [(32, 8, 64), (32, 8, 128), (16, 16, 64), (14, 2, 64), (14, 2, 80), (8, 2, 256), (32, 2, 64)]
+]
+# (q_len, kv_len) per sequence; (0, 0) is a padding sequence.
+CPU_BATCHES = {
+    "decode-only": [(1, 1), (1, 7), (1, 13), (1, 64), (1, 97)],
+    "prefill-only": [(19, 19), (1, 1), (40, 40), (5, 5)],
+    "mixed": [(1, 5), (1, 97), (1, 1), (7, 12), (19, 19), (3, 40), (33, 60), (17, 17)],
+    "padding": [(1, 9), (0, 0), (18, 18), (0, 0), (1, 3), (0, 0), (0, 0)],
+}
+
+
+def _gpu_batches():
+    rng = random.Random(0)
+    decodes = [(1, rng.randint(1, 2000)) for _ in range(60)]
+    chunks = []
+    for _ in range(12):
+        q_len = rng.randint(1, 300)
+        chunks.append((q_len, q_len + rng.choice([0, rng.randint(1, 1500)])))
+    return {
+        "decode-only": decodes + [(1, 4097)],
+        "prefill-only": [(1000, 1000), (1, 1)] + chunks,
+        "mixed": decodes[:30] + [(0, 0)] * 3 + chunks + [(256, 1280), (1, 8000)] + [(0, 0)] * 5,
+    }
+
+
+def _q_start(batch):
+    """[B + 1] cumulative query counts from the batch's per-sequence ones."""
+    zero = torch.zeros(1, dtype=torch.int32, device=batch.q_lens.device)
+    return torch.cat((zero, batch.q_lens.cumsum(0).int()))
+
+
+def _args(batch, scale):
+    return (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_rows, _q_start(batch),
+            batch.kv_lens, scale)
+
+
+def _build(seqs, heads, dtype, device, pad_tokens=3, **kwargs):
+    """A batch whose padding sequences carry garbage lengths and rows (never read) and whose q has
+    NaN rows past the last sequence's."""
+    q_heads, kv_heads, head_dim = heads
+    batch = make_batch(seqs, q_heads, kv_heads, head_dim, dtype, device, pad_tokens=pad_tokens, **kwargs)
+    padding = (batch.q_lens == 0).nonzero().flatten()
+    batch.kv_lens[padding] = 5
+    return batch
+
+
+def _check(out, ref, args, assert_close):
+    used = int(args[5][-1])
+    assert torch.isfinite(out[:used]).all()
+    assert_close(out[:used], ref[:used])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", HEADS)
+@pytest.mark.parametrize("kind", ["decode-only", "prefill-only", "mixed", "padding"])
+def test_unified_attention(device, assert_close, dtype, q_heads, kv_heads, head_dim, kind):
+    batches = CPU_BATCHES if device == "cpu" else _gpu_batches()
+    if kind not in batches:
+        pytest.skip(f"no {kind} batch on {device}")
+    batch = _build(batches[kind], (q_heads, kv_heads, head_dim), dtype, device)
+    assert batch.q.stride(0) == (q_heads + 2 * kv_heads) * head_dim  # a view into a fused qkv
+    args = _args(batch, head_dim**-0.5)
+    _check(unified_attention_triton(*args), unified_attention_ref(*args), args, assert_close)
+
+
+@pytest.mark.parametrize(
+    "block_m,small_m,block_n,num_warps",
+    [(16, 16, 16, 1), (32, 16, 16, 2), (64, 16, 32, 4), (64, 64, 16, 4), (128, 32, 64, 4)],
+)
+def test_unified_attention_tile_sizes(device, assert_close, block_m, small_m, block_n, num_warps):
+    """Chunks longer and shorter than a q block (BLOCK_M // G tokens), tails that take the small
+    tile, a group that does not divide the tile (G = 3)."""
+    for heads, seed in [((6, 2, 16), 1), ((3, 1, 16), 2)]:
+        batch = _build(CPU_BATCHES["mixed"] + [(0, 0)], heads, torch.float32, device, seed=seed)
+        args = _args(batch, 0.3)
+        out = _unified_attention_launch(*args, block_m, small_m, block_n, num_warps, 1)
+        _check(out, unified_attention_ref(*args), args, assert_close)
+
+
+def test_unified_attention_matches_prefill_and_decode_references(device, assert_close):
+    """The reference agrees with the decode and prefill kernels' references on a mixed batch."""
+    from batchgen.kernels.decode_attention import decode_attention_ref
+    from batchgen.kernels.prefill_attention import prefill_attention_ref
+
+    seqs = [(1, 5), (1, 30), (7, 12), (19, 19)]
+    b = make_batch(seqs, 4, 2, 16, torch.float32, "cpu", seed=4)
+    out = unified_attention_ref(*_args(b, 0.25))
+    dec = decode_attention_ref(b.q[:2], b.k_cache, b.v_cache, b.req_to_token, b.req_rows[:2], b.kv_lens[:2], 30, 0.25)
+    pre = prefill_attention_ref(b.q[2:], b.k_cache, b.v_cache, b.req_to_token, b.req_rows[2:],
+                                b.q_start[2:] - 2, b.q_lens[2:], b.kv_lens[2:], 19, 0.25)
+    assert_close(out, torch.cat((dec, pre)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(32, 8, 64), (14, 2, 64), (32, 8, 128)])
+def test_unified_attention_in_cuda_graph(device, assert_close, q_heads, kv_heads, head_dim):
+    """Captured with one step's metadata, replayed with another's (other lengths, slots and mix of
+    decodes and chunks; same T and B): the same output as an eager launch and the reference."""
+    num_tokens, table_len, num_slots = 700, 4096, 20000
+    steps = [
+        [(1, 300), (1, 1), (1, 2000), (200, 200), (64, 1100), (0, 0), (0, 0)],
+        [(1, 17), (300, 3000), (1, 4000), (1, 5), (0, 0), (0, 0), (0, 0)],
+        [(1, 1)] * 5 + [(0, 0)] * 2,
+        [(100, 100)] * 7,
+    ]
+    heads = (q_heads, kv_heads, head_dim)
+
+    def build(seqs, seed):
+        pad = num_tokens - sum(q for q, _ in seqs)
+        return _build(seqs, heads, torch.bfloat16, device, pad_tokens=pad, seed=seed,
+                      table_len=table_len, num_slots=num_slots)
+
+    static = build(steps[0], 0)
+    args = _args(static, head_dim**-0.5)
+    q_start = args[5]
+    unified_attention_triton(*args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = unified_attention_triton(*args)
+    for seed, seqs in enumerate(steps):
+        new = build(seqs, seed)
+        for name in ("k_cache", "v_cache", "req_to_token", "req_rows", "kv_lens"):
+            getattr(static, name).copy_(getattr(new, name))
+        static.q.copy_(new.q)
+        q_start.copy_(_q_start(new))
+        graph.replay()
+        _check(out, unified_attention_ref(*args), args, assert_close)
+        used = int(q_start[-1])
+        assert torch.equal(out[:used], unified_attention_triton(*args)[:used])
