@@ -39,13 +39,15 @@ def token_count_ladder(max_tokens: int) -> list[int]:
 
 class ModelGraphs:
     def __init__(self, model, kv: KVCache, max_num_seqs: int, max_tokens: int, device: torch.device,
-                 step_graphs: bool = True):
+                 capture: bool = True):
         """model(ForwardBatch) -> hidden states [S, H] of the batch's logits rows; kv: the pool the
-        graphs read and write; max_tokens: the step token budget (the largest step graph)."""
+        graphs read and write; max_tokens: the step token budget (the largest step graph).
+        capture=False runs the same padded static batches eagerly instead of replaying graphs (any
+        device: what the tests check the padding with on a CPU)."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.decode_sizes = batch_size_ladder(max_num_seqs)
-        self.step_sizes = token_count_ladder(max_tokens) if step_graphs else []
+        self.step_sizes = token_count_ladder(max_tokens)
         max_t = max([self.decode_sizes[-1], *self.step_sizes])
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         # Static inputs: the graphs read these addresses; each replay refills them.
@@ -53,23 +55,30 @@ class ModelGraphs:
         self.positions = torch.zeros(max_t, **i64)
         self.out_slots = torch.full((max_t,), kv.pad_slot, **i64)
         self.logits_indices = torch.zeros(max_t, **i64)
+        self.decode_logits = torch.arange(max_num_seqs, **i64)  # a decode step samples every token
         # per sequence (decode graphs: per token), padded to max_num_seqs
         self.seq_rows = torch.full((max_num_seqs,), kv.pad_row, **i32)
         self.kv_lens = torch.ones(max_num_seqs, **i32)
         self.q_start = torch.zeros(max_num_seqs + 1, **i32)
-        self.device = device
+        self.device, self.model = device, model
+        self.batches = {(kind, n): self._static_batch(kind, n)
+                        for kind, sizes in (("step", self.step_sizes), ("decode", self.decode_sizes)) for n in sizes}
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        captures = [("step", n) for n in self.step_sizes] + [("decode", n) for n in self.decode_sizes]
+        if capture:
+            self._capture()
+
+    def _capture(self) -> None:
         pool = None
-        for kind, n in sorted(captures, key=lambda c: -c[1]):  # largest first: the rest reuse its memory
-            fb = self._static_batch(kind, n)
+        for key in sorted(self.batches, key=lambda k: -k[1]):  # largest first: the rest reuse its memory
+            fb = self.batches[key]
+            model = self.model
             model(fb)  # warm-up outside the capture: compiles kernels, creates library handles
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = model(fb)
             pool = graph.pool()
-            self.graphs[(kind, n)] = (graph, hidden)
-        torch.cuda.synchronize(device)
+            self.graphs[key] = (graph, hidden)
+        torch.cuda.synchronize(self.device)
 
     def _static_batch(self, kind: str, n: int) -> ForwardBatch:
         """The batch a graph of this kind and size is captured on: views of the static buffers."""
@@ -84,7 +93,7 @@ class ModelGraphs:
                 **common, token_rows=rows, num_decode=n, decode_rows=rows, decode_kv_lens=lens,
                 decode_max_kv_len=width,  # any length: the kernel reads kv_lens
                 prefill_rows=empty32, prefill_q_start=empty32, prefill_q_lens=empty32, prefill_kv_lens=empty32,
-                prefill_max_q_len=0, logits_indices=self.logits_indices[:n],
+                prefill_max_q_len=0, logits_indices=self.decode_logits[:n],
             )
         num_logits = min(n, self.max_num_seqs)
         return ForwardBatch(
@@ -96,7 +105,7 @@ class ModelGraphs:
 
     def pick(self, fb: ForwardBatch, num_logits: int) -> tuple[str, int] | None:
         """The graph that runs this batch, or None (eager)."""
-        if not self.graphs:
+        if not self.batches:
             return None
         if fb.num_prefill == 0:
             n = fb.num_decode
@@ -117,7 +126,6 @@ class ModelGraphs:
         self.positions[:n].copy_(fb.positions)
         self.out_slots[:n].copy_(fb.out_slots)
         num_logits = fb.logits_indices.shape[0]
-        self.logits_indices[:num_logits].copy_(fb.logits_indices)
         if size > n:  # padding tokens: position 0, K/V to the reserved slot
             self.positions[n:size].zero_()
             self.out_slots[n:size].fill_(self.kv.pad_slot)
@@ -128,6 +136,7 @@ class ModelGraphs:
             self.seq_rows[b:size].fill_(self.kv.pad_row)
             self.kv_lens[b:size].fill_(1)
         else:  # padding sequences: no queries (q_start stays at n), no context
+            self.logits_indices[:num_logits].copy_(fb.logits_indices)
             self.seq_rows[:b].copy_(fb.seq_rows)
             self.kv_lens[:b].copy_(fb.kv_lens)
             self.q_start[: b + 1].copy_(fb.q_start)
@@ -135,6 +144,8 @@ class ModelGraphs:
             self.kv_lens[b:].zero_()
             self.q_start[b + 1 :].fill_(n)
             self.logits_indices[num_logits : min(size, self.max_num_seqs)].zero_()
+        if key not in self.graphs:  # not captured: the same padded batch, eagerly
+            return self.model(self.batches[key])[:num_logits]
         graph, hidden = self.graphs[key]
         graph.replay()
         return hidden[:num_logits]
@@ -148,3 +159,4 @@ class ModelGraphs:
         for graph, _ in self.graphs.values():
             graph.reset()
         self.graphs.clear()
+        self.batches.clear()

@@ -2,6 +2,7 @@
 sequences out with their text and metrics."""
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import weakref
@@ -51,6 +52,11 @@ class LLMEngine:
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
         self.in_flight: StepOutput | None = None  # the launched step not yet read back
+        # What exists now (weights' modules, the tokenizer's vocabularies, captured graphs) lives as
+        # long as the engine: out of the collector's full scans, which a job's churn of small lists
+        # sets off again and again.
+        gc.collect()
+        gc.freeze()
         log.info("engine ready: %s", self.describe())
 
     def describe(self) -> dict:

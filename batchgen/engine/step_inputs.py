@@ -8,6 +8,7 @@ converts at once.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +45,14 @@ class StepInputs:
 
     @classmethod
     def pack(cls, scalars: list[int], arrays: list) -> StepInputs:
-        """scalars in SCALARS order; arrays (lists or int64 tensors) in FIELDS order."""
-        parts = [a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=torch.int64) for a in arrays]
-        sizes = [p.numel() for p in parts]
-        header = torch.tensor(list(scalars) + sizes, dtype=torch.int64)
-        return cls(torch.cat([header, *parts]), *scalars, sizes)
+        """scalars in SCALARS order; arrays (sequences of ints) in FIELDS order. One C-level buffer
+        and one tensor over it: a tensor per array cost more than the rest of the packing."""
+        sizes = [len(a) for a in arrays]
+        values = array("q", scalars)
+        values.extend(sizes)
+        for a in arrays:
+            values.extend(a)
+        return cls(torch.frombuffer(values, dtype=torch.int64), *scalars, sizes)
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> StepInputs:

@@ -1,12 +1,14 @@
-"""Attention over the token-slot KV pool: store the new K/V, then decode attention for the decode
-sequences and prefill (extend) attention for the chunks, each reading K/V through req_to_token."""
+"""Attention over the token-slot KV pool: store the new K/V, then either one unified launch for every
+sequence of the step (a step graph's batch: decodes and prefill chunks alike) or decode attention
+for the decode sequences and prefill (extend) attention for the chunks, each reading K/V through
+req_to_token."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from batchgen.forward.batch import ForwardBatch
-from batchgen.kernels import decode_attention, prefill_attention, store_kv
+from batchgen.kernels import decode_attention, prefill_attention, store_kv, unified_attention
 
 
 class Attention(nn.Module):
@@ -19,6 +21,11 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D]"""
         store_kv(k, v, self.k_cache, self.v_cache, batch.out_slots)
+        if batch.unified:
+            return unified_attention(
+                q, self.k_cache, self.v_cache, batch.req_to_token, batch.seq_rows, batch.q_start, batch.kv_lens,
+                self.scale,
+            )
         nd = batch.num_decode
         if batch.num_prefill == 0:
             return decode_attention(

@@ -1,0 +1,60 @@
+"""Where the host's time goes in the step loop: one workload of benchmarks/throughput.py under
+cProfile (after a warm-up job), the top functions by own time, and the step count.
+
+    python benchmarks/profile_step.py --model llama-3.2-1b --workload W-short
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from batchgen import LLM, SamplingParams  # noqa: E402
+from benchmarks.throughput import MODELS, WORKLOADS, build_model, make_requests  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=list(MODELS), default="llama-3.2-1b")
+    ap.add_argument("--workload", choices=list(WORKLOADS), default="W-short")
+    ap.add_argument("--models-dir", default="/tmp/batchgen-bench-models")
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args(argv)
+    model_dir = build_model(args.model, Path(args.models_dir))
+    requests = make_requests(args.workload, MODELS[args.model][1]["vocab_size"])
+    llm = LLM(str(model_dir), dtype="bfloat16")
+    params = SamplingParams(temperature=0.6, ignore_eos=True)
+    llm.generate_list(requests[:2], params)
+    steps = 0
+    step = llm.engine.step
+
+    def counted():
+        nonlocal steps
+        steps += 1
+        return step()
+
+    llm.engine.step = counted
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    results = llm.generate_list(requests, params)
+    profiler.disable()
+    wall = time.perf_counter() - start
+    tokens = sum(r["completion_tokens"] for r in results)
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.top)
+    print(out.getvalue())
+    print(f"PROFILE {args.model} {args.workload}: {steps} steps, {wall:.2f}s under cProfile "
+          f"({1000 * wall / steps:.2f} ms/step), {tokens / wall:.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
