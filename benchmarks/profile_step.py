@@ -1,7 +1,8 @@
-"""Where the host's time goes in the step loop: one workload of benchmarks/throughput.py under
-cProfile (after a warm-up job), the top functions by own time, and the step count.
+"""Where the time goes in the step loop: one workload of benchmarks/throughput.py under cProfile
+(after a warm-up job), the top functions by own time and the step count; with --kernels, the top
+GPU kernels by total time over steps 100-199 of the job (torch profiler).
 
-    python benchmarks/profile_step.py --model llama-3.2-1b --workload W-short
+    python benchmarks/profile_step.py --model llama-3.2-1b --workload W-short [--kernels]
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def main(argv=None):
     ap.add_argument("--workload", choices=list(WORKLOADS), default="W-short")
     ap.add_argument("--models-dir", default="/tmp/batchgen-bench-models")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--kernels", action="store_true", help="GPU kernel times instead of the host profile")
     args = ap.parse_args(argv)
     model_dir = build_model(args.model, Path(args.models_dir))
     requests = make_requests(args.workload, MODELS[args.model][1]["vocab_size"])
@@ -42,6 +44,8 @@ def main(argv=None):
         return step()
 
     llm.engine.step = counted
+    if args.kernels:
+        return profile_kernels(llm, requests, params, args.top)
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
@@ -54,6 +58,33 @@ def main(argv=None):
     print(out.getvalue())
     print(f"PROFILE {args.model} {args.workload}: {steps} steps, {wall:.2f}s under cProfile "
           f"({1000 * wall / steps:.2f} ms/step), {tokens / wall:.0f} tok/s")
+
+
+def profile_kernels(llm, requests, params, top: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    step, seen = llm.engine.step, [0]
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def window():
+        seen[0] += 1
+        if seen[0] == 100:
+            prof.start()
+        out = step()
+        if seen[0] == 199:
+            torch.cuda.synchronize()
+            prof.stop()
+        return out
+
+    llm.engine.step = window
+    llm.generate_list(requests, params)
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total"):  # the name changed in torch 2.4
+        try:
+            print(averages.table(sort_by=key, row_limit=top, max_name_column_width=70))
+            return
+        except (KeyError, AttributeError, ValueError):
+            continue
 
 
 if __name__ == "__main__":
