@@ -113,7 +113,7 @@ def test_jsonl_job_end_to_end(tmp_path):
     assert "done: 3 rows (3 ok, 0 errors)" in done.stdout and "latency: e2e p50" in done.stdout
     assert not (tmp_path / "out" / "result.parquet.partial").exists()
 
-    again = batchgen("run", src, out, "--max-tokens", "12", "--temperature", "0")
+    again = batchgen("run", src, out, "--max-tokens", "12", "--temperature", "0", "--dtype", "float32")
     assert again.returncode == 0 and "already complete" in again.stdout
 
 
