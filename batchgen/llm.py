@@ -56,6 +56,7 @@ class LLM:
         first_admit = last_result = None
         prompt_tokens = output_tokens = 0
         self.stats = {}
+        failed = False
         try:
             while True:
                 fresh = []
@@ -87,8 +88,13 @@ class LLM:
                     prompt_tokens += seq.num_prompt
                     output_tokens += len(seq.output_ids)
                     yield result_row(seq)
+        except Exception:
+            failed = True
+            raise
         finally:
-            engine.abort_all()  # a stop, an error, or a consumer that quit early: free every slot
+            # a stop, an error, or a consumer that quit early: free every slot (and after an error the
+            # prefix cache too: it may hold prompts of a step that was never launched)
+            engine.abort_all(clear_cache=failed)
             gen_s = (last_result - first_admit) if first_admit and last_result else 0.0
             self.stats = {"generation_seconds": gen_s, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
 

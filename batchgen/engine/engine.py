@@ -44,7 +44,8 @@ class LLMEngine:
         if self.workers is not None:  # step() reads results back through StepOutput.read(check)
             self.workers.runner_ready(self.runner.graphs.release if self.runner.graphs is not None else None)
         self.kv = self.runner.kv
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.runner.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.runner.max_num_batched_tokens,
+                                   prefix_caching=config.enable_prefix_caching)
         # a request longer than this can never run: the model's length, or the whole pool
         self.max_request_len = min(self.runner.max_model_len, self.kv.num_slots)
         self.eos_ids = self.model_cfg.eos_token_ids or (
@@ -64,6 +65,7 @@ class LLMEngine:
             "max_num_batched_tokens": self.runner.max_num_batched_tokens,
             "kv_cache_tokens": self.kv.num_slots,
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
             "seed": self.config.seed,
         }
 
@@ -134,11 +136,15 @@ class LLMEngine:
                 finished.append(seq)
         return finished
 
-    def abort_all(self) -> None:
+    def abort_all(self, clear_cache: bool = False) -> None:
+        """Drop every request, freeing its slots. clear_cache: empty the prefix cache too (after a
+        failure: a step may have been scheduled, its prompts cached, and never launched)."""
         for seq in list(self.scheduler.running):
             self.scheduler.finish(seq)
         self.scheduler.waiting.clear()
         self.in_flight = None
+        if clear_cache and self.scheduler.cache is not None:
+            self.scheduler.cache.clear()
 
     def _check_finished(self, seq: Sequence, token: int) -> bool:
         params = seq.params
@@ -190,7 +196,7 @@ def result_row(seq: Sequence) -> dict:
         "error": None,
         "prompt_tokens": seq.num_prompt,
         "completion_tokens": len(out_ids),
-        "cached_prompt_tokens": 0,
+        "cached_prompt_tokens": seq.cached_prompt_tokens,
         "num_preemptions": seq.num_preemptions,
         "queue_s": queue,
         "ttft_s": ttft,

@@ -61,6 +61,13 @@ class Sequence:
         self.num_prompt_scored = 0  # prompt positions already scored for prompt_logprobs
         self.row = -1
         self.slots = array("q")  # KV slots of positions 0..num_computed-1
+        # Prefix cache: slots[:num_cached] belong to the cache (the path to cache_node, which this
+        # sequence locks); the rest are its own. cached_prompt_tokens: prompt tokens it reused.
+        self.num_cached = 0
+        self.cache_node = None
+        self.num_in_table = 0  # positions whose slots its token table row has (or gets in a built step)
+        self.cached_prompt_tokens = 0
+        self.sample_index = 0  # which of its row's n samples
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.text: str | None = None
@@ -94,6 +101,14 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def reuse_limit(self) -> int:
+        """How many leading tokens may come from the prefix cache: prompt tokens only, and at least
+        one token left to compute for the logits; none of the prompt positions still to be scored
+        for prompt_logprobs (their logits are needed)."""
+        limit = min(self.num_prompt, self.num_tokens - 1)
+        return limit if self.prompt_logprobs is None else min(limit, self.num_prompt_scored)
 
     @property
     def max_total_tokens(self) -> int:
