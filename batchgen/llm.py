@@ -71,7 +71,7 @@ class LLM:
                         row = {**row, "id": index}
                     index += 1
                     try:
-                        fresh.append(engine.make_sequence(row, defaults))
+                        fresh.extend(engine.make_sequences(row, defaults))
                     except RequestError as e:
                         yield error_row(row, str(e))
                 for seq in pack(fresh):
@@ -99,8 +99,10 @@ class LLM:
             self.stats = {"generation_seconds": gen_s, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
 
     def generate_list(self, requests: Iterable[dict], sampling: SamplingParams | None = None) -> list[dict]:
-        """All results, in the order of the requests."""
+        """All results, in the order of the requests (a request's n samples in order of sample_index)."""
         requests = list(requests)
         ids = [r.get("id", i) if isinstance(r, dict) else i for i, r in enumerate(requests)]
-        by_id = {r["id"]: r for r in self.generate(requests, sampling)}
-        return [by_id[i] for i in ids]
+        by_id: dict = {}
+        for r in self.generate(requests, sampling):
+            by_id.setdefault(r["id"], []).append(r)
+        return [r for i in ids for r in sorted(by_id[i], key=lambda r: r["sample_index"])]

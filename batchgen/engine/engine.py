@@ -11,14 +11,14 @@ from transformers import AutoTokenizer
 
 from batchgen.config import EngineConfig
 from batchgen.forward.parallel import SINGLE
-from batchgen.engine.request import Sequence, Status, make_sequence
+from batchgen.engine.request import Sequence, Status, make_samples, make_sequence
 from batchgen.engine.runner import ModelRunner, StepOutput
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.tp_workers import TPWorkers, tp_device
 from batchgen.models.model_config import load_model_config
 from batchgen.models.resolve import resolve_model_dir
 from batchgen.sampling_params import SamplingParams
-from batchgen.schema import KNOWN_FIELDS, error_result
+from batchgen.schema import KNOWN_FIELDS, SAMPLES_KEY, error_result
 
 log = logging.getLogger("batchgen")
 
@@ -75,6 +75,10 @@ class LLMEngine:
             row, defaults, self.config.seed, self.tokenizer, self.model_cfg.vocab_size, self.eos_ids,
             self.max_request_len,
         )
+
+    def make_sequences(self, row: dict, defaults: SamplingParams) -> list[Sequence]:
+        """Validate a request row -> the sequences of its n samples (RequestError as make_sequence)."""
+        return make_samples(self.make_sequence(row, defaults), row.get(SAMPLES_KEY))
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -190,6 +194,7 @@ def result_row(seq: Sequence) -> dict:
     return {
         "id": seq.id,
         **seq.extras,
+        "sample_index": seq.sample_index,
         "text": seq.text,
         "output_token_ids": out_ids,
         "finish_reason": seq.finish_reason,

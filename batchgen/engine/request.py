@@ -6,7 +6,7 @@ import time
 from array import array
 from enum import Enum
 
-from batchgen.sampling_params import SamplingParams, derive_seed
+from batchgen.sampling_params import SamplingParams, derive_seed, sample_seed
 from batchgen.schema import KNOWN_FIELDS, OUTPUT_OPTIONS, SAMPLING_FIELDS, FieldError, check_options, check_prompt
 
 
@@ -139,3 +139,23 @@ def make_sequence(row: dict, defaults: SamplingParams, job_seed: int, tokenizer,
         if options.get(name):
             setattr(seq, name, [])
     return seq
+
+
+def make_samples(seq: Sequence, indices: list[int] | None = None) -> list[Sequence]:
+    """The sequences of a request's n samples (seq: the request, as sample 0) -> those of `indices`
+    (default: all n). Each sample has its own seed, derived from the request's and its index
+    (sample 0 keeps the request's: n=1 is unchanged); the scheduler shares their prompt's KV
+    through the prefix cache."""
+    n = seq.params.n
+    samples = []
+    for i in range(n) if indices is None else sorted({i for i in indices if 0 <= i < n}):
+        sample = seq
+        if i > 0:
+            params = seq.params.replace(seed=sample_seed(seq.params.seed, i))
+            sample = Sequence(seq.id, seq.token_ids[: seq.num_prompt], params, list(seq.stop_ids), seq.extras, seq.arrival)
+            for name in OUTPUT_OPTIONS:
+                if getattr(seq, name) is not None:
+                    setattr(sample, name, [])
+        sample.sample_index = i
+        samples.append(sample)
+    return samples
