@@ -69,3 +69,34 @@ def test_a_planned_job_computes_a_shared_prefix_once(tiny_model):
     llm = LLM(str(tiny_model("llama")), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)
     results = llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=2))
     assert sorted(r["cached_prompt_tokens"] for r in results) == [0] + [100] * 49
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(str(tiny_model("llama")), dtype="float32", max_num_seqs=8)
+
+
+def test_n_samples_share_the_prompt_and_are_reproducible(llm):
+    prompt = list(range(1, 30))
+    sampling = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    rows = [{"id": "a", "prompt_token_ids": prompt, "n": 4, "seed": 7}, {"id": "b", "prompt_token_ids": [5, 6, 7]}]
+    first = llm.generate_list(rows, sampling)
+    assert [(r["id"], r["sample_index"]) for r in first] == [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0)]
+    samples = [tuple(r["output_token_ids"]) for r in first[:4]]
+    assert len(set(samples)) == 4  # each sample has its own seed
+    assert sorted(r["cached_prompt_tokens"] for r in first[:4]) == [0, 28, 28, 28]  # the prompt computed once
+    llm.engine.scheduler.cache.clear()
+    again = llm.generate_list(list(reversed(rows)), sampling)  # another batch, another order: the same samples
+    assert [tuple(r["output_token_ids"]) for r in again if r["id"] == "a"] == samples
+    alone = llm.generate_list([{"id": "a", "prompt_token_ids": prompt, "seed": 7}], sampling)  # n=1: sample 0
+    assert alone[0]["sample_index"] == 0 and tuple(alone[0]["output_token_ids"]) == samples[0]
+    by_default = llm.generate_list([{"id": "c", "prompt_token_ids": prompt}], sampling.replace(n=3))
+    assert [r["sample_index"] for r in by_default] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("n,message", [(0, "n must be in [1, 1024], got 0"), (2.5, "n must be an integer"),
+                                       ("two", "n must be an integer")])
+def test_a_bad_n_is_one_error_row(llm, n, message):
+    results = llm.generate_list([{"id": "x", "prompt_token_ids": [1, 2], "n": n}], SamplingParams(max_tokens=2))
+    assert len(results) == 1 and results[0]["finish_reason"] == "error" and message in results[0]["error"]
+    assert results[0]["sample_index"] == 0
