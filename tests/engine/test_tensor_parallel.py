@@ -72,6 +72,19 @@ def test_squeezed_settings_match_tp1(kind, tiny_model):
     assert sum(r["num_preemptions"] for r in results) > 0
 
 
+def test_prefix_cache_matches_tp1(tiny_model):
+    """Rows sharing prefixes of every length, squeezed: the cached prefixes' token-table writes
+    reach every rank."""
+    from tests.engine.test_prefix_caching import shared_prefix_rows
+
+    model_dir, rows = tiny_model("qwen3"), shared_prefix_rows()
+    single = generate(model_dir, 1, rows, **SQUEEZED)
+    double = generate(model_dir, 2, rows, **SQUEEZED)
+    assert_same_tokens(model_dir, rows, single, double)
+    assert [r["cached_prompt_tokens"] for r in single] == [r["cached_prompt_tokens"] for r in double]
+    assert sum(r["cached_prompt_tokens"] for r in double) > 0
+
+
 def test_sampling_and_logprobs_match_tp1(tiny_model):
     """Default settings; seeded sampling (rank 0 samples, the others get its tokens by broadcast),
     the sampled tokens' logprobs and prompt logprobs."""
