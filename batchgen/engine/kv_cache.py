@@ -42,7 +42,7 @@ class KVCache:
     def alloc(self, n: int) -> array:
         if n > len(self.free_slots) and self.prefix_cache is not None:
             self.prefix_cache.evict(n - len(self.free_slots))
-        assert 0 < n <= self.num_free, f"asked for {n} slots, {self.num_free} free"
+        assert 0 < n <= len(self.free_slots), f"asked for {n} slots, {self.num_free} free"
         slots = self.free_slots[-n:]
         del self.free_slots[-n:]
         return slots

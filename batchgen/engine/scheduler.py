@@ -62,6 +62,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: newest last
+        self._arange = array("q")
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -80,15 +81,15 @@ class Scheduler:
             self.preempt(self.running[-1])
 
     def _try_schedule(self) -> ScheduledBatch:
-        kv = self.kv
+        kv, cache = self.kv, self.cache
         batch = ScheduledBatch([], [], [], [], 0)
         budget = self.max_num_batched_tokens
 
         def take(seq: Sequence, n: int) -> None:
             start = seq.num_computed
             if seq.num_in_table < start:  # cached slots attached since its last step: into its row
-                batch.prefix_rows.extend([seq.row] * (start - seq.num_in_table))
-                batch.prefix_positions.extend(range(seq.num_in_table, start))
+                batch.prefix_rows.extend(array("q", [seq.row]) * (start - seq.num_in_table))
+                batch.prefix_positions.extend(self._positions(seq.num_in_table, start))
                 batch.prefix_slots.extend(seq.slots[seq.num_in_table : start])
             seq.num_in_table = start + n  # the step writes its new tokens' slots itself
             batch.seqs.append(seq)
@@ -98,13 +99,13 @@ class Scheduler:
             batch.slots += slots
             seq.slots += slots
             seq.num_computed += n
-            if self.cache is not None and seq.num_cached == start < seq.num_prompt:
+            if cache is not None and seq.num_cached == start < seq.num_prompt:
                 self._cache_prompt(seq, start, min(start + n, seq.num_prompt), slots)
 
         for seq in list(self.running):  # decodes, oldest first
             if seq.status is not Status.RUNNING or seq.num_uncomputed != 1 or seq.done_sampling:
                 continue
-            while kv.num_available == 0 and seq.status is Status.RUNNING:
+            while not kv.free_slots and kv.num_available == 0 and seq.status is Status.RUNNING:
                 self.preempt(self.running[-1])
             if seq.status is Status.RUNNING:
                 take(seq, 1)
@@ -174,6 +175,12 @@ class Scheduler:
         self.running.remove(seq)
 
     # ---- prefix cache --------------------------------------------------------------------------
+    def _positions(self, start: int, end: int) -> array:
+        """array('q', range(start, end)), sliced from one kept array (C speed, no int per element)."""
+        if len(self._arange) < end:
+            self._arange = array("q", range(max(end, 2 * len(self._arange))))
+        return self._arange[start:end]
+
     def _lookup(self, seq: Sequence) -> tuple:
         """The longest cached prefix a waiting sequence may reuse, locked -> (node, its slots), or
         (None, empty) when there is none."""
