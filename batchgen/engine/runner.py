@@ -207,6 +207,7 @@ class ModelRunner:
         inputs = StepInputs.pack(
             [nd, len(samplers), max(kv_lens[:nd], default=0), max(batch.num_new[nd:], default=0)],
             [input_ids, positions, batch.slots, logits_indices, pending_dst, pending_src,
+             batch.prefix_rows, batch.prefix_positions, batch.prefix_slots,
              token_rows, rows, kv_lens, q_start, batch.num_new[nd:], cu_q],
         )
         return inputs, samplers, scored
@@ -240,6 +241,8 @@ class ModelRunner:
         )
         if inputs.has_pending:
             fb.input_ids[a["pending_dst"]] = previous_tokens[a["pending_src"]]
+        if inputs.has_prefix_writes:  # sequences admitted with a cached prefix: their rows point at it
+            fb.req_to_token[a["prefix_rows"], a["prefix_positions"]] = a["prefix_slots"].to(torch.int32)
         return fb
 
     def run_step(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor:

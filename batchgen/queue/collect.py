@@ -2,7 +2,7 @@
 
 Reads the result stream from its start (XREAD, no consumer group: collecting never changes what
 workers see, and can be repeated), keeps the first result of each row, and when every row of the job
-has one, writes the file through the Parquet sink (part files in a temporary directory beside OUTPUT,
+has one (a row of n samples: n, one per sample_index), writes the file through the Parquet sink (part files in a temporary directory beside OUTPUT,
 merged and renamed into place). A row can be answered twice (by a worker that wrote its result just
 before a restart lost the acknowledgement); the second answer is counted and dropped.
 """
@@ -24,7 +24,7 @@ import redis
 
 from batchgen.io.resume import JobError
 from batchgen.io.rows import ROW_KEY
-from batchgen.io.sinks import Layout, PartWriter, Totals, merge_parts
+from batchgen.io.sinks import Layout, PartWriter, Totals, merge_parts, prefix_cache_totals
 from batchgen.queue.protocol import Backoff, Keys, is_retryable, text
 from batchgen.version import __version__
 
@@ -85,6 +85,7 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.collect-", dir=output.parent) as tmp:
         writer = PartWriter(Path(tmp), layout, flush_rows=1000, flush_seconds=float("inf"))
         done = np.zeros(rows, dtype=bool)
+        partial: dict[int, set] = {}  # rows of several samples with some of their results: sample indices seen
         have = 0
         extra_keys: set[str] = set()
         last_id = "0-0"
@@ -120,8 +121,16 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
                         if done[index]:
                             result.duplicates += 1
                             continue
-                        done[index] = True
-                        have += 1
+                        samples = int(fields["samples"]) if (fields.get("samples") or "").isdigit() else 1
+                        got = partial.setdefault(index, set())
+                        if row.get("sample_index") in got:
+                            result.duplicates += 1
+                            continue
+                        got.add(row.get("sample_index"))
+                        if len(got) >= samples:  # the row is done once every sample's result is here
+                            del partial[index]
+                            done[index] = True
+                            have += 1
                         row[ROW_KEY] = index
                     else:
                         key = fields.get("request") or last_id
@@ -146,7 +155,7 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
                 job=job, prefix=keys.prefix, input=info.get("input"), batchgen_version=__version__,
                 workers=sorted(workers), rows=totals.rows, rows_ok=totals.rows_ok, rows_error=totals.rows_error,
                 rows_extra=result.extra, duplicates_dropped=result.duplicates, prompt_tokens=totals.prompt_tokens,
-                output_tokens=totals.output_tokens, job_seconds=round(job_seconds, 3),
+                output_tokens=totals.output_tokens, **prefix_cache_totals(totals), job_seconds=round(job_seconds, 3),
                 output_tokens_per_s=round(totals.output_tokens / job_seconds, 2) if job_seconds > 0 else None,
                 wall_seconds=round(time.monotonic() - started, 3),
                 e2e_s=totals.percentiles("e2e_s"), ttft_s=totals.percentiles("ttft_s"),
