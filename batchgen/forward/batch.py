@@ -3,6 +3,10 @@
 Sequences are ordered decodes first: the first `num_decode` sequences contribute one token each
 (tokens [0, num_decode)), the remaining `prefill` sequences contribute chunks of their prompts
 (tokens [num_decode, T)). All tensors live on the model's device.
+
+A "unified" step (a mixed step graph, docs/STEP.md) describes decodes and chunks alike for one
+attention launch (kernels/unified_attention.py): sequence i owns tokens [q_start[i], q_start[i + 1]),
+padding sequences own none, and tokens past q_start[B_pad] are padding.
 """
 from __future__ import annotations
 
@@ -28,6 +32,10 @@ class ForwardBatch:
     prefill_kv_lens: torch.Tensor  # [P] int32, cached tokens + chunk
     prefill_max_q_len: int
     logits_indices: torch.Tensor  # [S] int64, tokens whose next-token logits are sampled
+    unified: bool = False  # attention reads q_start / seq_rows / kv_lens below, not decode_* / prefill_*
+    q_start: torch.Tensor | None = None  # [B_pad + 1] int32, cumulative tokens per sequence, from 0
+    seq_rows: torch.Tensor | None = None  # [B_pad] int32, req_to_token row of each sequence
+    kv_lens: torch.Tensor | None = None  # [B_pad] int32, cached tokens + new ones
 
     @property
     def num_prefill(self) -> int:
