@@ -118,6 +118,7 @@ def _unified_attention_kernel(
     q_start_ptr,  # [B + 1] int32 cumulative query counts, q_start[0] == 0
     kv_lens_ptr,  # [B] int32 context length of each sequence (cached + new)
     num_seqs,  # B
+    search_steps,  # ceil(log2(B + 1)), the binary search's steps
     qk_scale,  # softmax scale * log2(e)
     GROUP: tl.constexpr,  # G = Hq / Hk
     HEAD_DIM: tl.constexpr,  # D
@@ -127,7 +128,6 @@ def _unified_attention_kernel(
     SMALL_Q: tl.constexpr,  # query tokens the small tile holds: SMALL_M // G
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D (and >= 16)
-    SEARCH_STEPS: tl.constexpr,  # ceil(log2(B + 1))
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
 ):
     block = tl.program_id(0)  # q block, int32 like q_start
@@ -136,7 +136,7 @@ def _unified_attention_kernel(
     # throughout (i = 0 always qualifies), so mid stays in [0, B].
     lo = block * 0
     hi = lo + num_seqs
-    for _ in range(SEARCH_STEPS):
+    for _ in range(search_steps):
         mid = (lo + hi + 1) // 2
         fits = tl.load(q_start_ptr + mid) // BLOCK_Q + mid <= block
         lo = tl.where(fits, mid, lo)
@@ -204,6 +204,7 @@ def _unified_attention_launch(
         req_to_token, req_to_token.stride(0),
         seq_rows, q_start, kv_lens,
         num_seqs,
+        num_seqs.bit_length(),
         scale * math.log2(math.e),
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -213,7 +214,6 @@ def _unified_attention_launch(
         SMALL_Q=small_m // group,
         BLOCK_N=block_n,
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
-        SEARCH_STEPS=num_seqs.bit_length(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
