@@ -308,70 +308,85 @@ def unified_shapes():
     ]
 
 
-# (BLOCK_M, SMALL_M, BLOCK_N, num_warps, num_stages); the launcher's default for 16-bit inputs:
-# (64, 16, 64, 4, 3).
-UNIFIED_VARIANTS = [(64, 16, 64, 4, 3), (128, 16, 64, 8, 3), (128, 16, 64, 4, 2), (64, 16, 64, 4, 2),
-                    (64, 32, 64, 4, 3), (32, 16, 64, 4, 3), (16, 16, 64, 4, 3), (64, 16, 32, 4, 3),
-                    (64, 16, 128, 4, 2), (64, 16, 64, 8, 3)]
+# (BLOCK_M, SMALL_M, BLOCK_N, num_warps, num_stages), most promising first; the launcher's default
+# for 16-bit inputs: (64, 16, 64, 4, 3).
+UNIFIED_VARIANTS = [(64, 16, 64, 4, 3), (64, 16, 64, 4, 2), (128, 16, 64, 8, 3), (64, 16, 128, 4, 2),
+                    (64, 32, 64, 4, 3), (64, 16, 64, 8, 2), (128, 16, 64, 8, 2), (32, 16, 64, 4, 3),
+                    (64, 16, 32, 4, 3), (64, 16, 64, 4, 1), (16, 16, 64, 4, 3), (128, 32, 128, 8, 2)]
 
 
-def bench_unified(model, cfg, copy_bw, sweep, budget_s):
+def unified_case(cfg, seqs, padded):
+    """Inputs of one step: the unified launch's arguments (and the padded step's), the split
+    launches as a function, the bytes and flops of the step."""
     hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
     scale = d**-0.5
     i32 = dict(dtype=torch.int32, device=DEVICE)
-    for shape, seqs, padded in unified_shapes():
-        q_lens = [q for q, _ in seqs]
-        kv_lens = [kv for _, kv in seqs]
-        nd = next((i for i, q_len in enumerate(q_lens) if q_len > 1), len(seqs))  # leading decodes
-        num_slots, table = token_table(kv_lens)
-        k_cache = torch.randn(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
-        v_cache = torch.randn_like(k_cache)
-        total = sum(q_lens)
-        q = torch.randn(total, hq, d, dtype=DTYPE, device=DEVICE)
-        rows = torch.arange(len(seqs), **i32)
-        lens = torch.tensor(kv_lens, **i32)
-        q_start = torch.tensor([0] + q_lens, **i32).cumsum(0).int()
-        unified = (q, k_cache, v_cache, table, rows, q_start, lens, scale)
-        prefill_start = q_start[nd:-1] - nd
-        prefill_q_lens = torch.tensor(q_lens[nd:], **i32)
+    q_lens = [q for q, _ in seqs]
+    kv_lens = [kv for _, kv in seqs]
+    nd = next((i for i, q_len in enumerate(q_lens) if q_len > 1), len(seqs))  # leading decodes
+    num_slots, table = token_table(kv_lens)
+    k_cache = torch.randn(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    total = sum(q_lens)
+    q = torch.randn(total, hq, d, dtype=DTYPE, device=DEVICE)
+    rows = torch.arange(len(seqs), **i32)
+    lens = torch.tensor(kv_lens, **i32)
+    q_start = torch.tensor([0] + q_lens, **i32).cumsum(0).int()
+    prefill_start = q_start[nd:-1] - nd
+    prefill_q_lens = torch.tensor(q_lens[nd:], **i32)
 
-        def split():
-            """The eager layer's launches: decode attention, then prefill attention."""
-            outs = []
-            if nd:
-                outs.append(decode_attention_triton(q[:nd], k_cache, v_cache, table, rows[:nd], lens[:nd],
-                                                    max(kv_lens[:nd]), scale))
-            if nd < len(seqs):
-                outs.append(prefill_attention_triton(
-                    q[nd:], k_cache, v_cache, table, rows[nd:], prefill_start, prefill_q_lens, lens[nd:],
-                    max(q_lens[nd:]), scale))
-            return outs
+    def split():
+        """The eager layer's launches: decode attention, then prefill attention."""
+        outs = []
+        if nd:
+            outs.append(decode_attention_triton(q[:nd], k_cache, v_cache, table, rows[:nd], lens[:nd],
+                                                max(kv_lens[:nd]), scale))
+        if nd < len(seqs):
+            outs.append(prefill_attention_triton(
+                q[nd:], k_cache, v_cache, table, rows[nd:], prefill_start, prefill_q_lens, lens[nd:],
+                max(q_lens[nd:]), scale))
+        return outs
 
-        expected = torch.cat(split())
-        torch.testing.assert_close(unified_attention_triton(*unified), expected, atol=1.6e-2, rtol=1.6e-2)
-        impls = {"unified": lambda: unified_attention_triton(*unified), "split": split}
-        if padded is not None:  # as a step graph runs it: T and B padded, padding sequences empty
-            pad_t, pad_b = padded
-            q_pad = torch.cat((q, torch.zeros(pad_t - total, hq, d, dtype=DTYPE, device=DEVICE)))
-            pad_seqs = torch.zeros(pad_b - len(seqs), **i32)
-            padded_args = (q_pad, k_cache, v_cache, table, torch.cat((rows, pad_seqs)),
-                           torch.cat((q_start, pad_seqs + total)), torch.cat((lens, pad_seqs)), scale)
-            torch.testing.assert_close(unified_attention_triton(*padded_args)[:total], expected,
+    case = dict(args=(q, k_cache, v_cache, table, rows, q_start, lens, scale), split=split, padded_args=None)
+    if padded is not None:  # as a step graph runs it: T and B padded, padding sequences empty
+        pad_t, pad_b = padded
+        q_pad = torch.cat((q, torch.zeros(pad_t - total, hq, d, dtype=DTYPE, device=DEVICE)))
+        pad_seqs = torch.zeros(pad_b - len(seqs), **i32)
+        case["padded_args"] = (q_pad, k_cache, v_cache, table, torch.cat((rows, pad_seqs)),
+                               torch.cat((q_start, pad_seqs + total)), torch.cat((lens, pad_seqs)), scale)
+    pairs = sum(ql * (kv - ql) + ql * (ql + 1) // 2 for ql, kv in seqs)
+    case["flops"] = 4 * d * hq * pairs
+    case["nbytes"] = (2 * total * hq * d + 2 * sum(kv_lens) * hk * d) * ELEM
+    case["total"] = total
+    return case
+
+
+def bench_unified(model, cfg, copy_bw, sweep, budget_s):
+    """Every shape with the default tiles (unified, split, padded), then the sweep one variant at
+    a time over all shapes (one compile per variant; the budget cuts whole variants)."""
+    cases = {shape: unified_case(cfg, seqs, padded) for shape, seqs, padded in unified_shapes()}
+    expected = {}
+    for shape, case in cases.items():
+        expected[shape] = torch.cat(case["split"]())
+        args, padded_args = case["args"], case["padded_args"]
+        torch.testing.assert_close(unified_attention_triton(*args), expected[shape], atol=1.6e-2, rtol=1.6e-2)
+        impls = {"unified": lambda: unified_attention_triton(*args), "split": case["split"]}
+        if padded_args is not None:
+            torch.testing.assert_close(unified_attention_triton(*padded_args)[: case["total"]], expected[shape],
                                        atol=1.6e-2, rtol=1.6e-2)
             impls["unified_padded"] = lambda: unified_attention_triton(*padded_args)
-        pairs = sum(ql * (kv - ql) + ql * (ql + 1) // 2 for ql, kv in seqs)
-        nbytes = (2 * total * hq * d + 2 * sum(kv_lens) * hk * d) * ELEM
-        measure("unified_attention", model, shape, nbytes, impls, copy_bw, flops=4 * d * hq * pairs)
-        if sweep:
-            for config in UNIFIED_VARIANTS[1:]:
-                if time.time() - START > budget_s:
-                    break
-                variant = "M={} small={} N={} w={} s={}".format(*config)
-                fn = lambda: _unified_attention_launch(*unified, *config)  # noqa: E731
-                if check_variant("unified_attention", model, shape, variant, fn, expected):
-                    measure("unified_attention", model, shape, nbytes, {"unified": fn}, copy_bw,
-                            flops=4 * d * hq * pairs, variant=variant)
-        del k_cache, v_cache
+        measure("unified_attention", model, shape, case["nbytes"], impls, copy_bw, flops=case["flops"])
+    if not sweep:
+        return
+    for config in UNIFIED_VARIANTS[1:]:
+        if time.time() - START > budget_s:
+            break
+        variant = "M={} small={} N={} w={} s={}".format(*config)
+        for shape, case in cases.items():
+            fn = lambda: _unified_attention_launch(*case["args"], *config)  # noqa: E731
+            if check_variant("unified_attention", model, shape, variant, fn, expected[shape]):
+                measure("unified_attention", model, shape, case["nbytes"], {"unified": fn}, copy_bw,
+                        flops=case["flops"], variant=variant)
 
 
 def bench_rope_store(model, cfg, copy_bw):

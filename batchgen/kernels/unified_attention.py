@@ -18,10 +18,10 @@ so the keys and values are read once per KV head and a decode fills G rows of it
 whose sequence has at most SMALL_Q query tokens left (decodes, chunk tails) take a SMALL_M-row
 tile instead, so decodes do not pay for BLOCK_M rows of scores.
 
-Grid (T // BLOCK_Q + B, Hk): sequence i's q blocks are numbered from q_start[i] // BLOCK_Q + i, which
-leaves each sequence room for ceil(q_len_i / BLOCK_Q) blocks (at the cost of at most one idle
-program per sequence); a program finds its sequence by a binary search over those starts (log2(B + 1)
-loads). The grid and every launch argument come from T, B and the model's shapes: no host sync, so
+Grid: (T // BLOCK_Q + B) q blocks x Hk, the KV heads of a block adjacent. Sequence i's q blocks
+are numbered from q_start[i] // BLOCK_Q + i, which leaves each sequence room for
+ceil(q_len_i / BLOCK_Q) blocks (at the cost of at most one idle program per sequence); a program
+finds its sequence by a binary search over those starts (log2(B + 1) loads). The grid and every launch argument come from T, B and the model's shapes: no host sync, so
 a CUDA graph captured once replays with any metadata of the same T and B. Query rows past q_start[B]
 (padding) belong to no program: their output is left unwritten (arbitrary, possibly NaN), and
 no other row reads them.
@@ -100,7 +100,7 @@ def _attend_query_block(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "search_steps"])  # one compile for every batch size
 def _unified_attention_kernel(
     q_ptr,  # [T, Hq, D] packed queries (may be a slice of the fused qkv output)
     q_stride_t,  # elements between two tokens of q
@@ -120,6 +120,7 @@ def _unified_attention_kernel(
     num_seqs,  # B
     search_steps,  # ceil(log2(B + 1)), the binary search's steps
     qk_scale,  # softmax scale * log2(e)
+    NUM_KV_HEADS: tl.constexpr,  # Hk
     GROUP: tl.constexpr,  # G = Hq / Hk
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_M: tl.constexpr,  # rows of the large tile
@@ -130,8 +131,10 @@ def _unified_attention_kernel(
     BLOCK_D: tl.constexpr,  # next power of 2 >= D (and >= 16)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
 ):
-    block = tl.program_id(0)  # q block, int32 like q_start
-    kv_head = tl.program_id(1).to(tl.int64)
+    # The KV heads of one q block run side by side: they read neighbouring bytes of the same slots.
+    program = tl.program_id(0)
+    block = program // NUM_KV_HEADS  # q block, int32 like q_start
+    kv_head = (program % NUM_KV_HEADS).to(tl.int64)
     # The sequence: the largest i in [0, B] with q_start[i] // BLOCK_Q + i <= block. lo <= hi
     # throughout (i = 0 always qualifies), so mid stays in [0, B].
     lo = block * 0
@@ -196,7 +199,7 @@ def _unified_attention_launch(
     block_m = max(block_m, triton.next_power_of_2(group))
     small_m = min(max(small_m, triton.next_power_of_2(group)), block_m)
     block_q = block_m // group
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    grid = ((num_tokens // block_q + num_seqs) * num_kv_heads,)
     _unified_attention_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
@@ -206,6 +209,7 @@ def _unified_attention_launch(
         num_seqs,
         num_seqs.bit_length(),
         scale * math.log2(math.e),
+        NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
