@@ -21,10 +21,10 @@ tile instead, so decodes do not pay for BLOCK_M rows of scores.
 Grid: (T // BLOCK_Q + B) q blocks x Hk, the KV heads of a block adjacent. Sequence i's q blocks
 are numbered from q_start[i] // BLOCK_Q + i, which leaves each sequence room for
 ceil(q_len_i / BLOCK_Q) blocks (at the cost of at most one idle program per sequence); a program
-finds its sequence by a binary search over those starts (log2(B + 1) loads). The grid and every launch argument come from T, B and the model's shapes: no host sync, so
-a CUDA graph captured once replays with any metadata of the same T and B. Query rows past q_start[B]
-(padding) belong to no program: their output is left unwritten (arbitrary, possibly NaN), and
-no other row reads them.
+finds its sequence by a binary search over those starts (log2(B + 1) loads). The grid and every
+launch argument come from T, B and the model's shapes: no host sync, so a CUDA graph captured once
+replays with any metadata of the same T and B. Query rows past q_start[B] (padding) belong to no
+program: their output is left unwritten (arbitrary, possibly NaN), and no other row reads them.
 """
 import math
 
