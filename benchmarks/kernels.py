@@ -8,11 +8,14 @@ fewest bytes the op must move (each input read once, each output written once) o
 and a fraction of the device copy bandwidth measured here (a 2 GiB device-to-device copy, bytes
 read + written). Prefill attention also reports TFLOP/s (4 * D flops per visible (query, key) pair).
 
-    PYTHONPATH=. python benchmarks/kernels.py [--sweep] [--budget-s S] [--only decode,prefill,elementwise]
+    PYTHONPATH=. python benchmarks/kernels.py [--sweep] [--budget-s S]
+        [--only decode,prefill,elementwise,unified,rope_store]
 
-One JSON line per measurement; a table last. --sweep also times block-size variants of the two
-attention kernels, each checked against the reference first (the tuning behind the defaults; see
-benchmarks/KERNELS.md).
+One JSON line per measurement; a table last. --sweep also times block-size variants of the
+attention kernels, each checked against the default first (the tuning behind the defaults; see
+benchmarks/KERNELS.md). "unified" times unified attention (one launch for a mixed step) against the
+decode + prefill launches of the same step; "rope_store" the fused rope + KV store against the two
+ops. The issue #11 run: --only unified,rope_store --sweep --budget-s 100 (about 2 minutes).
 """
 import argparse
 import json
@@ -38,6 +41,8 @@ from batchgen.kernels.prefill_attention import (
     prefill_attention_ref,
     prefill_attention_triton,
 )
+from batchgen.kernels.rope_store_kv import rope_store_kv_triton
+from batchgen.kernels.unified_attention import _unified_attention_launch, unified_attention_triton
 from batchgen.kernels.rmsnorm import add_rmsnorm_ref, add_rmsnorm_triton, rmsnorm_ref, rmsnorm_triton
 from batchgen.kernels.rotary import apply_rotary_ref, apply_rotary_triton
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
@@ -286,6 +291,129 @@ def bench_prefill(model, cfg, copy_bw, sweep, budget_s):
                             flops=flops, variant=variant)
 
 
+# ---------------------------------------------------------------- unified attention
+
+
+def unified_shapes():
+    """(name, [(q_len, kv_len)], decodes first, padded (T, B) as a step graph would run it)."""
+    rng = random.Random(1)
+    decodes = [(1, rng.randint(250, 350)) for _ in range(200)]
+    chunks = [(256, 256 + prefix) for prefix in (0, 256, 512, 1024)]
+    return [
+        ("decode B=256 L=512", [(1, 512)] * 256, None),
+        ("decode B=256 L=2048", [(1, 2048)] * 256, None),
+        ("decode B=256 L=512..2048", [(1, rng.randint(512, 2048)) for _ in range(256)], None),
+        ("mixed 200 dec L~300 + 4x256", decodes + chunks, (1280, 256)),
+        ("prefill 1x4096", [(4096, 4096)], (4096, 256)),
+    ]
+
+
+# (BLOCK_M, SMALL_M, BLOCK_N, num_warps, num_stages), most promising first; the launcher's default
+# for 16-bit inputs: (64, 16, 64, 4, 3).
+UNIFIED_VARIANTS = [(64, 16, 64, 4, 3), (64, 16, 64, 8, 3), (128, 16, 64, 8, 3), (64, 16, 128, 4, 2),
+                    (64, 32, 64, 4, 3), (64, 16, 32, 4, 3), (32, 16, 64, 4, 3), (64, 16, 64, 4, 2),
+                    (128, 16, 64, 8, 2), (16, 16, 64, 4, 3)]
+
+
+def unified_case(cfg, seqs, padded):
+    """Inputs of one step: the unified launch's arguments (and the padded step's), the split
+    launches as a function, the bytes and flops of the step."""
+    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    scale = d**-0.5
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    q_lens = [q for q, _ in seqs]
+    kv_lens = [kv for _, kv in seqs]
+    nd = next((i for i, q_len in enumerate(q_lens) if q_len > 1), len(seqs))  # leading decodes
+    num_slots, table = token_table(kv_lens)
+    k_cache = torch.randn(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    total = sum(q_lens)
+    q = torch.randn(total, hq, d, dtype=DTYPE, device=DEVICE)
+    rows = torch.arange(len(seqs), **i32)
+    lens = torch.tensor(kv_lens, **i32)
+    q_start = torch.tensor([0] + q_lens, **i32).cumsum(0).int()
+    prefill_start = q_start[nd:-1] - nd
+    prefill_q_lens = torch.tensor(q_lens[nd:], **i32)
+
+    def split():
+        """The eager layer's launches: decode attention, then prefill attention."""
+        outs = []
+        if nd:
+            outs.append(decode_attention_triton(q[:nd], k_cache, v_cache, table, rows[:nd], lens[:nd],
+                                                max(kv_lens[:nd]), scale))
+        if nd < len(seqs):
+            outs.append(prefill_attention_triton(
+                q[nd:], k_cache, v_cache, table, rows[nd:], prefill_start, prefill_q_lens, lens[nd:],
+                max(q_lens[nd:]), scale))
+        return outs
+
+    case = dict(args=(q, k_cache, v_cache, table, rows, q_start, lens, scale), split=split, padded_args=None)
+    if padded is not None:  # as a step graph runs it: T and B padded, padding sequences empty
+        pad_t, pad_b = padded
+        q_pad = torch.cat((q, torch.zeros(pad_t - total, hq, d, dtype=DTYPE, device=DEVICE)))
+        pad_seqs = torch.zeros(pad_b - len(seqs), **i32)
+        case["padded_args"] = (q_pad, k_cache, v_cache, table, torch.cat((rows, pad_seqs)),
+                               torch.cat((q_start, pad_seqs + total)), torch.cat((lens, pad_seqs)), scale)
+    pairs = sum(ql * (kv - ql) + ql * (ql + 1) // 2 for ql, kv in seqs)
+    case["flops"] = 4 * d * hq * pairs
+    case["nbytes"] = (2 * total * hq * d + 2 * sum(kv_lens) * hk * d) * ELEM
+    case["total"] = total
+    return case
+
+
+def bench_unified(copy_bw, sweep, budget_s):
+    """Every model and shape with the default tiles (unified, split, padded), then the sweep one
+    variant at a time over all of them (one compile per variant and model; the budget cuts whole
+    variants, for both models alike)."""
+    cases = {(model, shape): unified_case(cfg, seqs, padded)
+             for model, cfg in MODELS.items() for shape, seqs, padded in unified_shapes()}
+    expected = {}
+    for (model, shape), case in cases.items():
+        expected[model, shape] = torch.cat(case["split"]())
+        args, padded_args = case["args"], case["padded_args"]
+        torch.testing.assert_close(unified_attention_triton(*args), expected[model, shape], atol=1.6e-2, rtol=1.6e-2)
+        impls = {"unified": lambda: unified_attention_triton(*args), "split": case["split"]}
+        if padded_args is not None:
+            torch.testing.assert_close(unified_attention_triton(*padded_args)[: case["total"]],
+                                       expected[model, shape], atol=1.6e-2, rtol=1.6e-2)
+            impls["unified_padded"] = lambda: unified_attention_triton(*padded_args)
+        measure("unified_attention", model, shape, case["nbytes"], impls, copy_bw, flops=case["flops"])
+    if not sweep:
+        return
+    for config in UNIFIED_VARIANTS[1:]:
+        if time.time() - START > budget_s:
+            break
+        variant = "M={} small={} N={} w={} s={}".format(*config)
+        for (model, shape), case in cases.items():
+            fn = lambda: _unified_attention_launch(*case["args"], *config)  # noqa: E731
+            if check_variant("unified_attention", model, shape, variant, fn, expected[model, shape]):
+                measure("unified_attention", model, shape, case["nbytes"], {"unified": fn}, copy_bw,
+                        flops=case["flops"], variant=variant)
+
+
+def bench_rope_store(model, cfg, copy_bw):
+    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    for tokens, phase in ELEMENTWISE_TOKENS:
+        qkv = torch.randn(tokens, (hq + 2 * hk) * d, dtype=DTYPE, device=DEVICE)
+        q, k, v = (x.view(tokens, -1, d) for x in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+        angles = torch.outer(torch.arange(8192, device=DEVICE).float(), torch.rand(d // 2, device=DEVICE))
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+        k_cache = torch.empty(1 << 17, hk, d, dtype=DTYPE, device=DEVICE)
+        v_cache = torch.empty_like(k_cache)
+        slots = torch.randperm(k_cache.shape[0], device=DEVICE)[:tokens]
+
+        def unfused():
+            apply_rotary_triton(q, k, positions, cache)
+            store_kv_triton(k, v, k_cache, v_cache, slots)
+
+        # q read + written, k and v read, k and v written to the cache, cos/sin read
+        nbytes = (2 * hq + 4 * hk) * tokens * d * ELEM + tokens * d * 4
+        measure("rope_store_kv", model, f"{phase} T={tokens}", nbytes, {
+            "fused": lambda: rope_store_kv_triton(q, k, v, positions, cache, k_cache, v_cache, slots),
+            "unfused": unfused}, copy_bw)
+
+
 # ---------------------------------------------------------------- table
 
 
@@ -296,6 +424,8 @@ def print_table():
             continue
         key = (r["kind"], r["model"], r["shape"])
         rows.setdefault(key, {})[r["impl"]] = r
+    if not any("triton" in impls for impls in rows.values()):
+        return
     print(f"\n{'op':<18} {'model':<13} {'shape':<30} {'triton us':>10} {'torch us':>10} "
           f"{'sdpa us':>9} {'x torch':>8} {'bw frac':>8} {'TFLOP/s':>8}")
     for (kind, model, shape), impls in rows.items():
@@ -311,7 +441,7 @@ def print_table():
               f"{speedup:>8} {t['bw_frac']:>8.2f} {t.get('tflops', '-'):>8}")
     best = {}
     for r in RECORDS:
-        if "variant" in r and "ms" in r:
+        if "variant" in r and "ms" in r and r["kind"] in ("decode_attention", "prefill_attention"):
             key = (r["kind"], r["model"], r["shape"])
             if key not in best or r["ms"] < best[key]["ms"]:
                 best[key] = r
@@ -323,15 +453,44 @@ def print_table():
             print(f"{kind:<18} {model:<13} {shape:<30} {r['ms'] * 1e3:>8.1f} us (default {ref} us)  {r['variant']}")
 
 
+def print_issue11_table():
+    """unified attention against the split launches; fused rope + store against the two ops."""
+    rows, best = {}, {}
+    for r in RECORDS:
+        if r.get("kind") not in ("unified_attention", "rope_store_kv") or "ms" not in r:
+            continue
+        key = (r["kind"], r["model"], r["shape"])
+        if "variant" in r:
+            if key not in best or r["ms"] < best[key]["ms"]:
+                best[key] = r
+        else:
+            rows.setdefault(key, {})[r["impl"]] = r
+    if not rows:
+        return
+    print(f"\n{'op':<18} {'model':<13} {'shape':<28} {'new us':>8} {'old us':>8} {'old/new':>8} "
+          f"{'padded us':>10} {'bw frac':>8} {'TFLOP/s':>8}  best swept variant")
+    for (kind, model, shape), impls in rows.items():
+        new = impls.get("unified") or impls.get("fused")
+        old = impls.get("split") or impls.get("unfused")
+        if new is None or old is None:
+            continue
+        padded = f"{impls['unified_padded']['ms'] * 1e3:.1f}" if "unified_padded" in impls else "-"
+        b = best.get((kind, model, shape))
+        swept = f"{b['ms'] * 1e3:.1f} us {b['variant']}" if b and b["ms"] < new["ms"] else "-"
+        print(f"{kind:<18} {model:<13} {shape:<28} {new['ms'] * 1e3:>8.1f} {old['ms'] * 1e3:>8.1f} "
+              f"{old['ms'] / new['ms']:>8.2f} {padded:>10} {new['bw_frac']:>8.2f} {new.get('tflops', '-'):>8}  {swept}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time attention block-size variants")
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop sweeping after this many seconds")
-    parser.add_argument("--only", default="", help="comma-separated subset: elementwise,decode,prefill")
+    parser.add_argument("--only", default="",
+                        help="comma-separated subset: elementwise,decode,prefill,unified,rope_store")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
-    parts = set(args.only.split(",")) if args.only else {"elementwise", "decode", "prefill"}
+    parts = set(args.only.split(",")) if args.only else {"elementwise", "decode", "prefill", "unified", "rope_store"}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))  # still print the table
     props = torch.cuda.get_device_properties(0)
     emit(kind="device", name=props.name, sms=props.multi_processor_count, torch=torch.__version__,
@@ -344,11 +503,16 @@ def main():
                 bench_decode(model, cfg, copy_bw, args.sweep, args.budget_s)
             if "prefill" in parts:
                 bench_prefill(model, cfg, copy_bw, args.sweep, args.budget_s)
+        if "unified" in parts:
+            bench_unified(copy_bw, args.sweep, args.budget_s)
         for model, cfg in MODELS.items():
             if "elementwise" in parts:
                 bench_elementwise(model, cfg, copy_bw)
+            if "rope_store" in parts:
+                bench_rope_store(model, cfg, copy_bw)
     finally:
         print_table()
+        print_issue11_table()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 Sequences are ordered decodes first: the first `num_decode` sequences contribute one token each
 (tokens [0, num_decode)), the remaining `prefill` sequences contribute chunks of their prompts
 (tokens [num_decode, T)). All tensors live on the model's device.
+
+A "unified" step (a mixed step graph, docs/STEP.md) describes decodes and chunks alike for one
+attention launch (kernels/unified_attention.py): sequence i owns tokens [q_start[i], q_start[i + 1]),
+padding sequences own none, and tokens past q_start[B_pad] are padding.
 """
 from __future__ import annotations
 

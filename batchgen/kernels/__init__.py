@@ -8,6 +8,7 @@ from batchgen.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from batchgen.kernels.rotary import apply_rotary
 from batchgen.kernels.silu_and_mul import silu_and_mul
 from batchgen.kernels.store_kv import store_kv
+from batchgen.kernels.rope_store_kv import rope_store_kv
 from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.decode_attention import decode_attention
 from batchgen.kernels.unified_attention import unified_attention
@@ -19,6 +20,7 @@ __all__ = [
     "apply_rotary",
     "silu_and_mul",
     "store_kv",
+    "rope_store_kv",
     "prefill_attention",
     "decode_attention",
     "unified_attention",

@@ -18,13 +18,13 @@ so the keys and values are read once per KV head and a decode fills G rows of it
 whose sequence has at most SMALL_Q query tokens left (decodes, chunk tails) take a SMALL_M-row
 tile instead, so decodes do not pay for BLOCK_M rows of scores.
 
-Grid (T // BLOCK_Q + B, Hk): sequence i's q blocks are numbered from q_start[i] // BLOCK_Q + i, which
-leaves each sequence room for ceil(q_len_i / BLOCK_Q) blocks (at the cost of at most one idle
-program per sequence); a program finds its sequence by a binary search over those starts (log2(B + 1)
-loads). The grid and every launch argument come from T, B and the model's shapes: no host sync, so
-a CUDA graph captured once replays with any metadata of the same T and B. Query rows past q_start[B]
-(padding) belong to no program: their output is left unwritten (arbitrary, possibly NaN), and
-no other row reads them.
+Grid: (T // BLOCK_Q + B) q blocks x Hk, the KV heads of a block adjacent. Sequence i's q blocks
+are numbered from q_start[i] // BLOCK_Q + i, which leaves each sequence room for
+ceil(q_len_i / BLOCK_Q) blocks (at the cost of at most one idle program per sequence); a program
+finds its sequence by a binary search over those starts (log2(B + 1) loads). The grid and every
+launch argument come from T, B and the model's shapes: no host sync, so a CUDA graph captured once
+replays with any metadata of the same T and B. Query rows past q_start[B] (padding) belong to no
+program: their output is left unwritten (arbitrary, possibly NaN), and no other row reads them.
 """
 import math
 
@@ -100,7 +100,7 @@ def _attend_query_block(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "search_steps"])  # one compile for every batch size
 def _unified_attention_kernel(
     q_ptr,  # [T, Hq, D] packed queries (may be a slice of the fused qkv output)
     q_stride_t,  # elements between two tokens of q
@@ -118,7 +118,9 @@ def _unified_attention_kernel(
     q_start_ptr,  # [B + 1] int32 cumulative query counts, q_start[0] == 0
     kv_lens_ptr,  # [B] int32 context length of each sequence (cached + new)
     num_seqs,  # B
+    search_steps,  # ceil(log2(B + 1)), the binary search's steps
     qk_scale,  # softmax scale * log2(e)
+    NUM_KV_HEADS: tl.constexpr,  # Hk
     GROUP: tl.constexpr,  # G = Hq / Hk
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_M: tl.constexpr,  # rows of the large tile
@@ -127,16 +129,17 @@ def _unified_attention_kernel(
     SMALL_Q: tl.constexpr,  # query tokens the small tile holds: SMALL_M // G
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D (and >= 16)
-    SEARCH_STEPS: tl.constexpr,  # ceil(log2(B + 1))
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
 ):
-    block = tl.program_id(0)  # q block, int32 like q_start
-    kv_head = tl.program_id(1).to(tl.int64)
+    # The KV heads of one q block run side by side: they read neighbouring bytes of the same slots.
+    program = tl.program_id(0)
+    block = program // NUM_KV_HEADS  # q block, int32 like q_start
+    kv_head = (program % NUM_KV_HEADS).to(tl.int64)
     # The sequence: the largest i in [0, B] with q_start[i] // BLOCK_Q + i <= block. lo <= hi
     # throughout (i = 0 always qualifies), so mid stays in [0, B].
     lo = block * 0
     hi = lo + num_seqs
-    for _ in range(SEARCH_STEPS):
+    for _ in range(search_steps):
         mid = (lo + hi + 1) // 2
         fits = tl.load(q_start_ptr + mid) // BLOCK_Q + mid <= block
         lo = tl.where(fits, mid, lo)
@@ -196,7 +199,7 @@ def _unified_attention_launch(
     block_m = max(block_m, triton.next_power_of_2(group))
     small_m = min(max(small_m, triton.next_power_of_2(group)), block_m)
     block_q = block_m // group
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    grid = ((num_tokens // block_q + num_seqs) * num_kv_heads,)
     _unified_attention_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
@@ -204,7 +207,9 @@ def _unified_attention_launch(
         req_to_token, req_to_token.stride(0),
         seq_rows, q_start, kv_lens,
         num_seqs,
+        num_seqs.bit_length(),
         scale * math.log2(math.e),
+        NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
@@ -213,7 +218,6 @@ def _unified_attention_launch(
         SMALL_Q=small_m // group,
         BLOCK_N=block_n,
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
-        SEARCH_STEPS=num_seqs.bit_length(),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,

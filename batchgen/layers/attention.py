@@ -1,14 +1,14 @@
-"""Attention over the token-slot KV pool: store the new K/V, then either one unified launch for every
-sequence of the step (a step graph's batch: decodes and prefill chunks alike) or decode attention
-for the decode sequences and prefill (extend) attention for the chunks, each reading K/V through
-req_to_token."""
+"""Attention over the token-slot KV pool: rope on q and k and the store of the new K/V (one fused op),
+then attention reading K/V through req_to_token: one unified launch for decodes and chunks together
+when the batch says so (step graphs), otherwise decode attention for the decode sequences and
+prefill (extend) attention for the chunks."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from batchgen.forward.batch import ForwardBatch
-from batchgen.kernels import decode_attention, prefill_attention, store_kv, unified_attention
+from batchgen.kernels import decode_attention, prefill_attention, rope_store_kv, unified_attention
 
 
 class Attention(nn.Module):
@@ -18,13 +18,17 @@ class Attention(nn.Module):
         # [num_slots, num_kv_heads, head_dim] each; the runner assigns this layer's slice of the pool
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D]"""
-        store_kv(k, v, self.k_cache, self.v_cache, batch.out_slots)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hk, D] before rope (q is rotated in place, k left unspecified);
+        positions [T]; cos_sin_cache [P, D] fp32 = [cos | sin] -> [T, Hq, D]"""
+        rope_store_kv(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache, batch.out_slots)
         if batch.unified:
             return unified_attention(
-                q, self.k_cache, self.v_cache, batch.req_to_token, batch.seq_rows, batch.q_start, batch.kv_lens,
-                self.scale,
+                q, self.k_cache, self.v_cache, batch.req_to_token, batch.seq_rows, batch.q_start,
+                batch.kv_lens, self.scale,
             )
         nd = batch.num_decode
         if batch.num_prefill == 0:

@@ -4,6 +4,7 @@ inv_freq[i] = theta^(-2i / D);   angle(p, i) = p * inv_freq[i];   cache[p] = [co
   linear:  inv_freq / factor
   llama3:  low frequencies (wavelength > L / low_freq_factor) divided by factor, high ones kept,
            the band between interpolated smoothly (L = original_max_position_embeddings).
+The rotation itself runs in layers/attention.py, fused with the KV store (kernels/rope_store_kv.py).
 """
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ import math
 
 import torch
 from torch import nn
-
-from batchgen.kernels import apply_rotary
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
@@ -39,7 +38,3 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
         self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        """q [T, Hq, D], k [T, Hk, D] rotated in place."""
-        apply_rotary(q, k, positions, self.cos_sin_cache)

@@ -1,7 +1,7 @@
 """One decoder for the Llama family: Llama 2/3/3.x, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm),
 SmolLM2. A layer's dataflow:
 
-  norm -> qkv -> [q/k norm] -> rope -> store kv -> attention -> o-proj (+all-reduce) -> residual
+  norm -> qkv -> [q/k norm] -> rope + store kv -> attention -> o-proj (+all-reduce) -> residual
        -> norm -> gate/up -> silu*mul -> down (+all-reduce) -> residual
 """
 from __future__ import annotations
@@ -45,8 +45,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head before rope
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
-        self.rotary(positions, q, k)
-        o = self.attn(q, k, v, batch)  # [T, Hq, D]
+        o = self.attn(q, k, v, positions, self.rotary.cos_sin_cache, batch)  # rope, store kv, attention
         return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
 
 

@@ -1,0 +1,84 @@
+"""The attention layer's two ways through a mixed step: decode + prefill launches, and the unified
+launch the step graphs use (padded sequences and tokens), from the same q/k/v before rope."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.kernels.attention_batch import make_batch
+from batchgen.forward.batch import ForwardBatch
+from batchgen.layers.attention import Attention
+
+HQ, HK, D = 4, 2, 16
+DECODES = [(1, 9), (1, 30), (1, 1)]
+CHUNKS = [(7, 12), (19, 19), (2, 40)]
+
+
+def _cos_sin_cache(max_pos, device):
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), torch.rand(D // 2) * 0.3)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
+
+
+def _step(device, dtype):
+    """The batch's token table and pool, the new tokens' positions and slots, and q/k/v."""
+    seqs = DECODES + CHUNKS
+    b = make_batch(seqs, HQ, HK, D, dtype, device, seed=3)
+    positions = torch.cat([torch.arange(kv - q, kv) for q, kv in seqs]).to(device)
+    rows = torch.cat([torch.full((q,), row) for (q, _), row in zip(seqs, b.req_rows.tolist())]).to(device)
+    out_slots = b.req_to_token[rows, positions].long()
+    qkv = torch.randn(len(positions), (HQ + 2 * HK) * D, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    return b, positions, rows, out_slots, qkv
+
+
+def _split_batch(b, positions, rows, out_slots):
+    nd, i32 = len(DECODES), torch.int32
+    return ForwardBatch(
+        input_ids=torch.zeros_like(positions), positions=positions, out_slots=out_slots, token_rows=rows.int(),
+        req_to_token=b.req_to_token, num_decode=nd,
+        decode_rows=b.req_rows[:nd], decode_kv_lens=b.kv_lens[:nd], decode_max_kv_len=int(b.kv_lens[:nd].max()),
+        prefill_rows=b.req_rows[nd:], prefill_q_start=(b.q_start[nd:] - nd).to(i32), prefill_q_lens=b.q_lens[nd:],
+        prefill_kv_lens=b.kv_lens[nd:], prefill_max_q_len=int(b.q_lens[nd:].max()),
+        logits_indices=torch.zeros(0, dtype=torch.int64, device=positions.device),
+    )
+
+
+def _unified_batch(split, b, pad_seqs, pad_tokens, dummy_slot):
+    """The same step as the graphs see it: padding sequences (no tokens) and padding tokens
+    (position 0, the dummy slot) after the real ones."""
+    dev, i32 = b.q.device, torch.int32
+    zeros = torch.zeros(pad_seqs, dtype=i32, device=dev)
+    pad = torch.zeros(pad_tokens, dtype=torch.int64, device=dev)
+    q_start = torch.cat((torch.zeros(1, dtype=i32, device=dev), b.q_lens.cumsum(0).to(i32)))
+    return replace(
+        split,
+        positions=torch.cat((split.positions, pad)),
+        out_slots=torch.cat((split.out_slots, pad + dummy_slot)),
+        unified=True,
+        q_start=torch.cat((q_start, q_start[-1:].expand(pad_seqs))),
+        seq_rows=torch.cat((b.req_rows, zeros)),
+        kv_lens=torch.cat((b.kv_lens, zeros + 3)),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_unified_step_equals_split_step(device, assert_close, dtype):
+    b, positions, rows, out_slots, qkv = _step(device, dtype)
+    cos_sin = _cos_sin_cache(64, device)
+    total, pad_tokens = len(positions), 5
+    dummy_slot = b.k_cache.shape[0]  # one slot past the pool's used ones, as the runner reserves
+
+    def run(batch, num_tokens):
+        layer = Attention(HQ, HK, D, D**-0.5)
+        pool = torch.cat((b.k_cache, b.k_cache[:1])), torch.cat((b.v_cache, b.v_cache[:1]))
+        layer.k_cache, layer.v_cache = pool
+        padded = torch.cat((qkv, torch.randn(num_tokens - total, qkv.shape[1]).to(qkv)))
+        q, k, v = padded.split([HQ * D, HK * D, HK * D], dim=-1)
+        view = lambda x, h: x.view(num_tokens, h, D)  # noqa: E731
+        out = layer(view(q, HQ), view(k, HK), view(v, HK), batch.positions, cos_sin, batch)
+        return out[:total], layer.k_cache[:dummy_slot], layer.v_cache[:dummy_slot]
+
+    split = _split_batch(b, positions, rows, out_slots)
+    expected = run(split, total)
+    actual = run(_unified_batch(split, b, 4, pad_tokens, dummy_slot), total + pad_tokens)
+    assert_close(actual[0], expected[0])
+    assert torch.equal(actual[1], expected[1]) and torch.equal(actual[2], expected[2])
