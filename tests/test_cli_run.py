@@ -89,7 +89,10 @@ def test_jsonl_job_end_to_end(tmp_path):
         {"prompt_token_ids": [1, 504, 3575, 282], "lang": None},
     ])
     out = tmp_path / "out" / "result.parquet"  # its folder is made
-    done = batchgen("run", src, out, "--max-tokens", "12", "--temperature", "0", "--log-every", "0")
+    # fp32: the first token of the France answer is a near-tie ("The" -1.88 vs "L" -1.97 in fp32);
+    # bf16 greedy (the CPU default where it is native) picks "L" ("L'Étoile, la Marseillaise,")
+    done = batchgen("run", src, out, "--max-tokens", "12", "--temperature", "0", "--dtype", "float32",
+                    "--log-every", "0")
     assert done.returncode == 0, done.stderr
     rows, meta = read(out)
     by_id = {r["id"]: r for r in rows}
@@ -110,7 +113,7 @@ def test_jsonl_job_end_to_end(tmp_path):
     assert "done: 3 rows (3 ok, 0 errors)" in done.stdout and "latency: e2e p50" in done.stdout
     assert not (tmp_path / "out" / "result.parquet.partial").exists()
 
-    again = batchgen("run", src, out, "--max-tokens", "12", "--temperature", "0")
+    again = batchgen("run", src, out, "--max-tokens", "12", "--temperature", "0", "--dtype", "float32")
     assert again.returncode == 0 and "already complete" in again.stdout
 
 
