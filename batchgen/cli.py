@@ -80,6 +80,11 @@ class Device(str, Enum):
     cpu = "cpu"
 
 
+class GenerationConfig(str, Enum):
+    auto = "auto"  # sampling defaults not given as options: the model's generation_config.json, else built-in
+    none = "none"  # batchgen's built-ins
+
+
 def _env(name: str) -> str:
     return f"BATCHGEN_{name}"
 
@@ -152,11 +157,6 @@ ENGINE_OPTIONS = (
     _option("kv_cache_tokens", Optional[int], None, panel=ENGINE,
             help="KV cache size in tokens. Default: from the memory budget."),
 )
-class GenerationConfig(str, Enum):
-    auto = "auto"
-    none = "none"
-
-
 # A sampling default not given (None) comes from the model's generation_config.json, else batchgen's built-in.
 SAMPLING_OPTIONS = (
     _option("max_tokens", Optional[int], None, panel=SAMPLING,
@@ -619,6 +619,8 @@ def models() -> None:
     print(f"default model: {default_model.DEFAULT_MODEL_NAME} (used when --model is not given)")
     print(f"source:        {gguf}")
     print(f"cache:         {target} ({'converted' if converted else 'not converted yet: the first run converts it'})")
+    sampling = ", ".join(f"{k} {v}" for k, v in default_model.SAMPLING_DEFAULTS.items())
+    print(f"sampling:      {sampling} (its model card's; in the cache's generation_config.json)")
     print("other models:  --model PATH (a local Hugging Face model directory)")
 
 
