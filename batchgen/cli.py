@@ -80,6 +80,11 @@ class Device(str, Enum):
     cpu = "cpu"
 
 
+class GenerationConfig(str, Enum):
+    auto = "auto"  # sampling defaults not given as options: the model's generation_config.json, else built-in
+    none = "none"  # batchgen's built-ins
+
+
 def _env(name: str) -> str:
     return f"BATCHGEN_{name}"
 
@@ -155,19 +160,25 @@ ENGINE_OPTIONS = (
             help="Reuse the KV of prompt prefixes computed before (a shared system prompt, few-shot examples, "
                  "the n samples of a row) instead of computing them again."),
 )
+# A sampling default not given (None) comes from the model's generation_config.json, else batchgen's built-in.
 SAMPLING_OPTIONS = (
-    _option("max_tokens", int, 256, panel=SAMPLING, help="Most tokens to generate for a row."),
-    _option("min_tokens", int, 0, panel=SAMPLING,
-            help="Fewest tokens to generate before EOS or a stop may end a row."),
-    _option("temperature", float, 1.0, panel=SAMPLING, help="0 = greedy."),
-    _option("top_p", float, 1.0, panel=SAMPLING),
-    _option("top_k", int, -1, panel=SAMPLING, help="-1 or 0 = off."),
+    _option("max_tokens", Optional[int], None, panel=SAMPLING,
+            help="Most tokens to generate for a row. Default: the model's max_new_tokens, else 256."),
+    _option("min_tokens", Optional[int], None, panel=SAMPLING,
+            help="Fewest tokens to generate before EOS or a stop may end a row. Default: 0."),
+    _option("temperature", Optional[float], None, panel=SAMPLING,
+            help="0 = greedy. Default: the model's, else 1.0."),
+    _option("top_p", Optional[float], None, panel=SAMPLING, help="Default: the model's, else 1.0."),
+    _option("top_k", Optional[int], None, panel=SAMPLING, help="-1 or 0 = off. Default: the model's, else off."),
     _option("stop", Optional[List[str]], None, panel=SAMPLING, help="A stop string (repeat for several)."),
     _option("ignore_eos", bool, False, panel=SAMPLING, help="Generate past EOS, up to --max-tokens."),
     _option("n", int, 1, panel=SAMPLING,
             help="Samples of each prompt: n output rows (sample_index 0..n-1), the prompt computed once."),
     _option("seed", int, 0, panel=SAMPLING,
             help="Job seed: a row without its own seed gets one derived from (seed, id)."),
+    _option("generation_config", GenerationConfig, GenerationConfig.auto, panel=SAMPLING,
+            help="auto: sampling defaults not given as options come from the model's generation_config.json "
+                 "(temperature, top_p, top_k, max_new_tokens); none: from batchgen's built-ins."),
 )
 QUEUE_OPTIONS = (
     _option("redis_url", str, ..., panel=QUEUE, show_default=False, metavar="URL",
@@ -206,6 +217,7 @@ class _EngineSetup:
     engine_options: dict
     sampling: SamplingParams
     settings: dict  # what shapes the output: resume's fingerprint, a worker's description
+    described: dict  # more for the output's metadata: the sampling defaults and where each came from
 
     def make_llm(self):
         from batchgen import LLM
@@ -220,34 +232,61 @@ class _EngineSetup:
 
 
 def _engine_setup(options: dict) -> _EngineSetup:
-    """The engine and sampling options, checked (a bad value is a usage error)."""
-    from batchgen import EngineConfig, SamplingParams
+    """The engine and sampling options, checked (a bad value is a usage error); the sampling
+    defaults resolved: an option given, else the model's generation_config.json, else built-in."""
+    from batchgen import EngineConfig
+    from batchgen.sampling_params import resolve_defaults
 
     o = options
-    try:
-        sampling = SamplingParams(max_tokens=o["max_tokens"], min_tokens=o["min_tokens"], temperature=o["temperature"],
-                                  top_p=o["top_p"], top_k=o["top_k"], stop=list(o["stop"] or []),
-                                  ignore_eos=o["ignore_eos"], n=o["n"])
-    except ValueError as e:
-        raise _UsageError(f"invalid sampling default: {e}") from None
     engine_options = dict(
         dtype=o["dtype"].value, device=o["device"].value, tensor_parallel_size=o["tensor_parallel_size"],
         max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
         gpu_memory_utilization=o["gpu_memory_utilization"], max_model_len=o["max_model_len"],
         kv_cache_tokens=o["kv_cache_tokens"], seed=o["seed"], enable_prefix_caching=o["enable_prefix_caching"],
+        generation_config=o["generation_config"].value,
     )
     try:
         EngineConfig(model=o["model"], **engine_options)
     except ValueError as e:
         raise _UsageError(str(e)) from None
+    given = {name: o[name] for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k")}
+    given.update(stop=o["stop"] or None, ignore_eos=o["ignore_eos"] or None,  # None: not given
+                 n=o["n"] if o["n"] != 1 else None)
+    try:
+        sampling, sources = resolve_defaults(given, _model_sampling_defaults(o["model"], o["generation_config"]))
+    except ValueError as e:
+        hint = "; --generation-config none ignores the model's file" if "generation_config.json" in str(e) else ""
+        raise _UsageError(f"invalid sampling default: {e}{hint}") from None
+    defaults = {name: getattr(sampling, name) for name in sources}
     settings = {
         "model": o["model"] or "default", "dtype": o["dtype"].value, "device": o["device"].value,
         "max_model_len": o["max_model_len"], "kv_cache_tokens": o["kv_cache_tokens"], "seed": o["seed"],
-        "max_tokens": o["max_tokens"], "min_tokens": o["min_tokens"], "temperature": o["temperature"],
-        "top_p": o["top_p"], "top_k": sampling.top_k, "stop": sampling.stop, "ignore_eos": o["ignore_eos"],
+        "max_tokens": sampling.max_tokens, "min_tokens": sampling.min_tokens, "temperature": sampling.temperature,
+        "top_p": sampling.top_p, "top_k": sampling.top_k, "stop": sampling.stop, "ignore_eos": sampling.ignore_eos,
+        "generation_config": o["generation_config"].value,
         **({"n": o["n"]} if o["n"] != 1 else {}),  # (absent for n=1: the fingerprints of earlier runs hold)
     }
-    return _EngineSetup(o["model"], engine_options, sampling, settings)
+    # for the output's metadata and the summary: each default's value and where it came from
+    described = {"sampling_defaults": defaults, "sampling_defaults_from": sources}
+    return _EngineSetup(o["model"], engine_options, sampling, settings, described)
+
+
+def _model_sampling_defaults(model: Optional[str], generation_config: GenerationConfig) -> dict:
+    """The sampling defaults of the model's generation_config.json ({} for --generation-config none).
+    Finds the model as the engine will (the default model is converted here on a first run)."""
+    if generation_config is GenerationConfig.none:
+        return {}
+    from batchgen.models.generation_config import read_sampling_defaults
+    from batchgen.models.resolve import resolve_model_dir
+
+    try:
+        model_dir = resolve_model_dir(model)
+    except FileNotFoundError as e:
+        raise _fail(str(e), EXIT_USAGE) from None
+    try:
+        return read_sampling_defaults(model_dir)
+    except ValueError as e:
+        raise _UsageError(f"{e}; --generation-config none ignores the file") from None
 
 
 def _check_input(input: Path) -> None:
@@ -298,12 +337,12 @@ def run(
     if output.resolve() == input.resolve():
         raise typer.BadParameter("OUTPUT would overwrite INPUT", param_hint="'OUTPUT'")
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
+                        stream=sys.stderr)  # before the setup, which may convert the default model (logged)
     setup = _engine_setup(options)
     spec = JobSpec(input=input, output=output, settings=setup.settings, shard=job_shard, resume=resume,
-                   flush_rows=flush_rows, flush_seconds=flush_seconds)
+                   flush_rows=flush_rows, flush_seconds=flush_seconds, described=setup.described)
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
-                        stream=sys.stderr)
     console = Console(highlight=False, soft_wrap=True, markup=False)
     from batchgen.progress import make_progress, summary_lines
 
@@ -501,7 +540,7 @@ def worker(
         if metrics_port is not None:
             port = metrics.serve(metrics_port)
             log.info("metrics on http://0.0.0.0:%d/metrics", port, extra={"event": "metrics", "port": port})
-        description = {**llm.describe(), "settings": setup.settings, "host": socket.gethostname()}
+        description = {**llm.describe(), **setup.described, "settings": setup.settings, "host": socket.gethostname()}
         running.append(Worker(client, keys, llm, setup.sampling, config, metrics, description))
         log.info("worker %s: serving %s (group workers, claim idle %gs, max deliveries %d)", name, keys.requests,
                  claim_idle_seconds, max_deliveries, extra={"event": "serving", "consumer": name})
@@ -588,6 +627,8 @@ def models() -> None:
     print(f"default model: {default_model.DEFAULT_MODEL_NAME} (used when --model is not given)")
     print(f"source:        {gguf}")
     print(f"cache:         {target} ({'converted' if converted else 'not converted yet: the first run converts it'})")
+    sampling = ", ".join(f"{k} {v}" for k, v in default_model.SAMPLING_DEFAULTS.items())
+    print(f"sampling:      {sampling} (its model card's; in the cache's generation_config.json)")
     print("other models:  --model PATH (a local Hugging Face model directory)")
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cuda", "cpu")
+GENERATION_CONFIGS = ("auto", "none")  # auto: the model's generation_config.json gives sampling defaults
 
 
 @dataclass
@@ -24,6 +25,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes computed before (engine/prefix_cache.py)
     seed: int = 0  # job seed: rows without their own seed get one derived from (seed, id)
     trust_remote_code: bool = False  # only for tokenizers; batchgen never runs a checkpoint's model code
+    generation_config: str = "auto"  # auto: sampling defaults from the model's generation_config.json; none: built-ins
 
     def __post_init__(self):
         def need(ok: bool, option: str, what: str):
@@ -45,6 +47,8 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         need(self.kv_cache_tokens is None or self.kv_cache_tokens >= 1, "kv_cache_tokens", "must be >= 1")
         need(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb", "must be > 0")
+        need(self.generation_config in GENERATION_CONFIGS, "generation_config",
+             f"{self.generation_config!r}; choose one of {', '.join(GENERATION_CONFIGS)}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -9,7 +9,8 @@ from batchgen.config import EngineConfig
 from batchgen.engine.engine import LLMEngine, error_row, result_row
 from batchgen.engine.packer import pack
 from batchgen.engine.request import RequestError
-from batchgen.sampling_params import SamplingParams
+from batchgen.models.generation_config import read_sampling_defaults
+from batchgen.sampling_params import SamplingParams, resolve_defaults
 from batchgen.version import __version__
 
 _END = object()
@@ -19,7 +20,8 @@ class LLM:
     """An engine on one model. `model=None` is the embedded default model (SmolLM2-135M-Instruct).
 
     >>> llm = LLM(max_num_seqs=64)
-    >>> for result in llm.generate([{"id": 1, "prompt": "Hello"}], SamplingParams(max_tokens=8)):
+    >>> params = llm.get_default_sampling_params().replace(max_tokens=8)  # the model's defaults, shorter
+    >>> for result in llm.generate([{"id": 1, "prompt": "Hello"}], params):
     ...     print(result["id"], result["text"])
     """
 
@@ -28,6 +30,7 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self.stats: dict = {}
+        self._default_sampling: SamplingParams | None = None
 
     def close(self) -> None:
         """Release the engine's worker processes (tensor parallelism); also done when the LLM is
@@ -35,7 +38,19 @@ class LLM:
         self.engine.close()
 
     def describe(self) -> dict:
-        return {**self.engine.describe(), "batchgen_version": __version__}
+        return {**self.engine.describe(), "generation_config": self.config.generation_config,
+                "batchgen_version": __version__}
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no SamplingParams: batchgen's built-ins, overridden by the
+        model's generation_config.json (temperature, top_p, top_k, max_new_tokens) unless the LLM was
+        made with generation_config="none". A copy: change it with `.replace(max_tokens=64)`.
+        ValueError if the model's file holds a value out of range."""
+        if self._default_sampling is None:
+            auto = self.config.generation_config == "auto"
+            model_defaults = read_sampling_defaults(self.engine.model_dir) if auto else {}
+            self._default_sampling, _ = resolve_defaults({}, model_defaults)
+        return self._default_sampling.replace()
 
     def generate(
         self,
@@ -47,8 +62,9 @@ class LLM:
         pulled lazily, only while the engine has room, so any number of them streams through in
         bounded memory. A live source (a queue) may yield None for "nothing right now": the engine
         keeps running what it has and asks again after the next step. A bad request yields an error
-        row at once and affects no other."""
-        defaults = sampling or SamplingParams()
+        row at once and affects no other. `sampling` holds the defaults a request's own fields
+        override; None: get_default_sampling_params()."""
+        defaults = sampling or self.get_default_sampling_params()
         engine = self.engine
         source = iter(requests)
         lookahead = 4 * self.config.max_num_seqs  # waiting requests the scheduler can choose from

@@ -148,9 +148,34 @@ def summary_lines(meta: dict, output: str) -> list[str]:
     tok_s = meta.get("output_tokens_per_s")
     speed = f"{tok_s:,.1f} output tok/s" if tok_s is not None else "no tokens generated in this run"
     gen_s = meta.get("generation_seconds") or 0.0
-    return [
+    lines = [
         f"done: {meta['rows']} rows ({meta['rows_ok']} ok, {meta['rows_error']} errors{resumed}) -> {output}",
         f"tokens: {meta['prompt_tokens']:,} prompt, {meta['output_tokens']:,} output; {speed} "
         f"({gen_s:.1f}s generating, {meta.get('wall_seconds', 0.0):.1f}s wall)",
         f"latency: e2e {seconds(meta.get('e2e_s'))}; TTFT {seconds(meta.get('ttft_s'))}",
     ]
+    if meta.get("sampling_defaults"):
+        lines.append(sampling_defaults_line(meta["sampling_defaults"], meta.get("sampling_defaults_from") or {}))
+    return lines
+
+
+# where a job's sampling default came from (sampling_params.resolve_defaults' names) -> how the summary says it
+_SOURCES = {"option": "from options", "generation_config": "from the model's generation_config.json",
+            "built-in": "built in"}
+
+
+def sampling_defaults_line(defaults: dict, sources: dict) -> str:
+    """`sampling defaults: temperature 0.2, top_p 0.9 from the model's generation_config.json;
+    max_tokens 256, top_k -1 built in (a row's own fields override them)`."""
+    groups = []
+    for source, words in _SOURCES.items():
+        names = [n for n in defaults if sources.get(n, "built-in") == source]
+        if names:
+            groups.append(", ".join(f"{n} {_value(defaults[n])}" for n in names) + f" {words}")
+    return f"sampling defaults: {'; '.join(groups)} (a row's own fields override them)"
+
+
+def _value(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(repr(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)

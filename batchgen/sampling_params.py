@@ -1,4 +1,5 @@
-"""Sampling parameters of one request: the job's defaults, overridden per row."""
+"""Sampling parameters of one request: the job's defaults, overridden per row; and how a job's
+defaults are chosen (its options, then the model's generation_config.json, then the built-ins)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +12,8 @@ MAX_N = 1024  # samples of one prompt: each is a sequence of its own, built when
 
 @dataclass
 class SamplingParams:
+    """A request's sampling parameters. The field defaults are batchgen's built-ins."""
+
     max_tokens: int = 256
     min_tokens: int = 0
     temperature: float = 1.0  # 0 = greedy
@@ -54,6 +57,34 @@ class SamplingParams:
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+
+MODEL_DEFAULT_FIELDS = ("max_tokens", "temperature", "top_p", "top_k")  # what a generation_config.json may set
+OPTION, MODEL, BUILT_IN = "option", "generation_config", "built-in"  # where a job default came from
+
+
+def resolve_defaults(given: dict, model: dict) -> tuple[SamplingParams, dict[str, str]]:
+    """A job's default SamplingParams, each field from the first that has it: `given` (the job's
+    options; None = not given), `model` (the model's generation_config.json, as read by
+    models.generation_config), batchgen's built-ins. -> (params, {field: OPTION | MODEL | BUILT_IN})
+    for the fields of MODEL_DEFAULT_FIELDS and those given. ValueError names a bad value's field, and
+    the model's file when it came from there."""
+    chosen, sources = {}, {}
+    for name in dict.fromkeys((*MODEL_DEFAULT_FIELDS, *given)):
+        if given.get(name) is not None:
+            chosen[name], sources[name] = given[name], OPTION
+        elif model.get(name) is not None:
+            chosen[name], sources[name] = model[name], MODEL
+        elif name in MODEL_DEFAULT_FIELDS:
+            sources[name] = BUILT_IN
+    try:
+        params = SamplingParams(**chosen)
+    except ValueError as e:
+        field_name = str(e).split()[0]  # SamplingParams' messages start with the field's name
+        if sources.get(field_name) == MODEL:
+            raise ValueError(f"{e} (from the model's generation_config.json)") from None
+        raise
+    return params, sources
 
 
 def derive_seed(job_seed: int, request_id) -> int:

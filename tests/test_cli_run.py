@@ -89,8 +89,8 @@ def test_jsonl_job_end_to_end(tmp_path):
         {"prompt_token_ids": [1, 504, 3575, 282], "lang": None},
     ])
     out = tmp_path / "out" / "result.parquet"  # its folder is made
-    # float32: in bf16 the 135M model's first answer token is a near-tie ("The" -1.79 vs "L" -1.86 on
-    # an AMX CPU, batched with the other two rows), which greedy decoding may break either way
+    # fp32: the first token of the France answer is a near-tie ("The" -1.88 vs "L" -1.97 in fp32);
+    # bf16 greedy (the CPU default where it is native) picks "L" ("L'Étoile, la Marseillaise,")
     done = batchgen("run", src, out, "--max-tokens", "12", "--temperature", "0", "--dtype", "float32",
                     "--log-every", "0")
     assert done.returncode == 0, done.stderr

@@ -71,7 +71,7 @@ def test_models_names_the_default_model_and_its_cache(batchgen, tmp_path):
     done = batchgen("models", env={"BATCHGEN_CACHE": str(tmp_path / "cache")})
     assert done.returncode == 0, done.stderr
     assert "SmolLM2-135M-Instruct" in done.stdout and str(tmp_path / "cache") in done.stdout
-    assert "not converted yet" in done.stdout
+    assert "not converted yet" in done.stdout and "temperature 0.2, top_p 0.9" in done.stdout
 
 
 def test_bench_passes_its_arguments_to_the_benchmark_script(batchgen):

