@@ -77,8 +77,8 @@ class RequestPreparer:
                 return _Checked(options, params, field, value, None)
             if field == "messages":
                 return _Checked(options, params, field, chat_text(value, self.tokenizer), None)
-            bad = next((t for t in value if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
+            if min(value) < 0 or max(value) >= self.vocab_size:
+                bad = next(t for t in value if not 0 <= t < self.vocab_size)
                 raise RequestError(f"prompt_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})")
             return _Checked(options, params, field, None, value)
         except ValueError as e:  # a FieldError, or a value SamplingParams refuses
@@ -94,7 +94,7 @@ class RequestPreparer:
             )
         extras = {k: v for k, v in row.items() if k not in KNOWN_FIELDS}
         outputs = tuple(name for name in OUTPUT_OPTIONS if c.options.get(name))
-        return PreparedRequest(row.get("id"), list(c.ids), c.params, extras, outputs, time.monotonic())
+        return PreparedRequest(row.get("id"), c.ids, c.params, extras, outputs, time.monotonic())
 
 
 def chat_text(messages: list[dict], tokenizer) -> str:
