@@ -11,9 +11,12 @@ from batchgen.engine.packer import pack
 from batchgen.engine.request import RequestError
 from batchgen.models.generation_config import read_sampling_defaults
 from batchgen.sampling_params import SamplingParams, resolve_defaults
+from batchgen.schema import SAMPLES_KEY
+from batchgen.engine.tokenizer_pool import OrderedWorker
 from batchgen.version import __version__
 
 _END = object()
+PREPARE_BATCH = 64  # rows per tokenizer call: enough for a batched encode, few enough to start at once
 
 
 class LLM:
@@ -25,8 +28,11 @@ class LLM:
     ...     print(result["id"], result["text"])
     """
 
-    def __init__(self, model: str | None = None, **engine_options):
+    def __init__(self, model: str | None = None, tokenizer_pool: bool = True, **engine_options):
+        """tokenizer_pool: tokenize and detokenize in worker threads beside the engine loop (False: on
+        the engine's thread, between steps)."""
         self.config = EngineConfig(model=model, **engine_options)
+        self.tokenizer_pool = tokenizer_pool
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self.stats: dict = {}
@@ -68,15 +74,28 @@ class LLM:
         engine = self.engine
         source = iter(requests)
         lookahead = 4 * self.config.max_num_seqs  # waiting requests the scheduler can choose from
+        # Rows are checked and tokenized ahead of the loop, finished texts decoded behind it.
+        ahead = OrderedWorker(engine.request_preparer(defaults), "batchgen-tokenize", self.tokenizer_pool)
+        behind = OrderedWorker(engine.decode_texts, "batchgen-detokenize", self.tokenizer_pool)
         exhausted, index = False, 0
         first_admit = last_result = None
         prompt_tokens = output_tokens = 0
         self.stats = {}
         failed = False
+
+        def results(done: list[tuple]) -> list[dict]:
+            nonlocal last_result, prompt_tokens, output_tokens
+            for seq, _ in done:
+                prompt_tokens += seq.num_prompt
+                output_tokens += len(seq.output_ids)
+            if done:
+                last_result = time.monotonic()
+            return [result_row(seq) for seq, _ in done]
+
         try:
             while True:
-                fresh = []
-                while not exhausted and len(engine.scheduler.waiting) + len(fresh) < lookahead:
+                rows = []
+                while not exhausted and len(engine.scheduler.waiting) + ahead.pending + len(rows) < lookahead:
                     row = next(source, _END)
                     if row is _END:
                         exhausted = True
@@ -86,28 +105,36 @@ class LLM:
                     if isinstance(row, dict) and row.get("id") is None:
                         row = {**row, "id": index}
                     index += 1
-                    try:
-                        fresh.extend(engine.make_sequences(row, defaults))
-                    except RequestError as e:
-                        yield error_row(row, str(e))
+                    rows.append(row)
+                    if len(rows) == PREPARE_BATCH:
+                        ahead.submit(rows)
+                        rows = []
+                ahead.submit(rows)
+                # With nothing to run, wait for every row read so far: the packer orders them all, as
+                # when they were tokenized here. Else take the ones ready; the rest join a later step.
+                fresh = []
+                for row, prepared in ahead.take(wait_all=not engine.has_work()):
+                    if isinstance(prepared, RequestError):
+                        yield error_row(row, str(prepared))
+                    else:
+                        fresh.extend(engine.sequences(prepared, row.get(SAMPLES_KEY)))
                 for seq in pack(fresh):
                     engine.add(seq)
                 if stop_event is not None and stop_event.is_set():
+                    yield from results(behind.take(wait_all=True))  # finished ones are not dropped
                     break
-                if not engine.has_work():
-                    if exhausted:
-                        break
-                    continue
-                first_admit = first_admit or time.monotonic()
-                for seq in engine.step():
-                    last_result = time.monotonic()
-                    prompt_tokens += seq.num_prompt
-                    output_tokens += len(seq.output_ids)
-                    yield result_row(seq)
+                if engine.has_work():
+                    first_admit = first_admit or time.monotonic()
+                    behind.submit(engine.step())
+                yield from results(behind.take(wait_all=not engine.has_work()))
+                if exhausted and not engine.has_work() and not ahead.pending:
+                    break
         except Exception:
             failed = True
             raise
         finally:
+            ahead.close()
+            behind.close()
             # a stop, an error, or a consumer that quit early: free every slot (and after an error the
             # prefix cache too: it may hold prompts of a step that was never launched)
             engine.abort_all(clear_cache=failed)

@@ -7,8 +7,16 @@ with transformers and saved as bf16 safetensors. Prints one JSON line per measur
         --json-out results.jsonl --plot throughput.png
 
 W-prefix runs with the prefix cache on and off (ratio_vs_cache_off); W-n runs its n = 8 samples a
-prompt against the same job as separate rows with the cache off (ratio_vs_separate_rows), as
-before either existed. --compare-cache-off adds a cache-off run to any other workload.
+prompt against the same job as separate rows, with the cache off and on (ratio_vs_separate_rows,
+ratio_vs_separate_rows_cache_on). --compare-cache-off adds a cache-off run to any other workload.
+Each line reports start-up (weights, KV pool, kernel warm-up, graph captures) apart from the job;
+--no-warm-up times the first job right after start-up (with a fresh TRITON_CACHE_DIR: a first run).
+
+W-chat is a text job: chat `messages` through the tokenizer and chat template (SmolLM2's, from
+benchmarks/chat_tokenizer/, copied into the model's directory), against the same rows given as the
+token ids that template gives (`prompt_token_ids`), on the same engine, alternating, best of --repeats
+each. A CPU smoke check of the script: `--model smoke --workload W-chat --requests 16` (a few minutes'
+work shrunk to seconds; its figures mean nothing).
 
 GPU busy is the mean of NVML's utilization samples (the share of time a kernel was running) taken
 every 50 ms during batchgen's run.
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -38,18 +47,41 @@ MODELS = {
     "llama-3.1-8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                      tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=131072)),
+    # not a benchmark: a model small enough to check the script on a CPU (its vocabulary holds the chat tokenizer's)
+    "smoke": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=4096)),
 }
-# name: (requests, input range, output range)
+# name: (requests, input range (W-chat: words of the user turn), output range)
 WORKLOADS = {
     "W-offline": (256, (100, 1024), (100, 1024)),
     "W-short": (2048, (32, 256), (16, 128)),
     "W-long": (64, (4096, 8192), (64, 256)),
     "W-decode1": (1, (128, 128), (1024, 1024)),
+    "W-chat": (4096, (8, 400), (16, 256)),
     "W-prefix": (2048, (32, 256), (16, 128)),  # + a shared 1,024-token system prompt in front of every row
     "W-n": (256, (100, 1024), (100, 512)),  # n = 8 samples of each prompt
 }
 SYSTEM_PROMPT_TOKENS = 1024  # W-prefix
 SAMPLES = 8  # W-n
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CHAT_TOKENIZER = Path(__file__).resolve().parent / "chat_tokenizer"
+SYSTEM_PROMPTS = [
+    "You are a helpful assistant.",
+    "You are a careful editor. Answer in plain English, briefly, and say so when you are not sure.",
+    "You are a support agent for a bicycle shop. Be friendly, ask for the model and year of the bike when it "
+    "matters, and never promise a repair time you cannot keep.",
+    "You summarize documents for busy readers: lead with the conclusion, then at most five short points, "
+    "then any numbers that matter. Do not add facts that are not in the document.",
+]
+WORDS = (
+    "the a of to and in is it that for on with as was at by this be from or have an are not but what all were "
+    "when we there can your which their said if do will each about how up out them then she many some so these "
+    "would other into has more her two like him see time could no make than first been its who now people my "
+    "made over did down only way find use may water long little very after words called just where most know "
+    "river bridge market letter garden engine winter summer morning evening question answer number story "
+    "history science music paper window station village mountain island harbour forest kitchen doctor teacher "
+    "price report budget review schedule meeting customer order invoice delivery recipe travel weather map"
+).split()
 
 
 def build_model(name: str, root: Path) -> Path:
@@ -63,18 +95,38 @@ def build_model(name: str, root: Path) -> Path:
     cls, shape = MODELS[name]
     config = getattr(tf, cls)(**shape, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
     save_tokenizer(path)
     del model
-    torch.cuda.empty_cache()
+    empty_cache()
+    return path
+
+
+def with_chat_tokenizer(model_dir: Path) -> Path:
+    """A sibling directory of model_dir with its weights (linked) and SmolLM2's tokenizer and chat template."""
+    path = model_dir.with_name(model_dir.name + "-chat")
+    path.mkdir(exist_ok=True)
+    for f in model_dir.iterdir():
+        if not (path / f.name).exists() and not f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (path / f.name).symlink_to(f.resolve())
+    for f in CHAT_TOKENIZER.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, path / f.name)
     return path
 
 
 def make_requests(workload: str, vocab: int) -> list[dict]:
     n, (in_lo, in_hi), (out_lo, out_hi) = WORKLOADS[workload]
     rng = random.Random(0)
+    if workload == "W-chat":
+        return [
+            {"id": i, "messages": [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
+                                   {"role": "user", "content": user_turn(rng, rng.randint(in_lo, in_hi))}],
+             "max_tokens": rng.randint(out_lo, out_hi)}
+            for i in range(n)
+        ]
     system = [rng.randrange(vocab) for _ in range(SYSTEM_PROMPT_TOKENS)] if workload == "W-prefix" else []
     requests = [
         {"id": i, "prompt_token_ids": system + [rng.randrange(vocab) for _ in range(rng.randint(in_lo, in_hi))],
@@ -90,6 +142,36 @@ def as_separate_rows(requests: list[dict]) -> list[dict]:
     """A job of n samples a row as the same number of rows of one sample each."""
     rows = [{**r, "n": 1} for r in requests for _ in range(r.get("n", 1))]
     return [{**r, "id": i} for i, r in enumerate(rows)]
+
+
+def user_turn(rng: random.Random, words: int) -> str:
+    """Sentences of 4 to 16 random words."""
+    out = []
+    while words > 0:
+        k = min(words, rng.randint(4, 16))
+        out.append(" ".join(rng.choice(WORDS) for _ in range(k)).capitalize() + rng.choice(".?!"))
+        words -= k
+    return " ".join(out)
+
+
+def as_token_ids(requests: list[dict], model_dir: Path) -> list[dict]:
+    """Chat rows -> the same rows as the token ids the engine makes of them (chat template, then tokens)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = [tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True) for r in requests]
+    ids = tok(texts, add_special_tokens=False).input_ids
+    return [{"id": r["id"], "prompt_token_ids": i, "max_tokens": r["max_tokens"]} for r, i in zip(requests, ids)]
+
+
+def empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class GpuBusy:
@@ -123,38 +205,51 @@ class GpuBusy:
         return round(sum(self.samples) / len(self.samples), 1) if self.samples else None
 
 
-def run_batchgen(model_dir: Path, requests: list[dict], temperature: float, tp: int = 1, warm_up: bool = True,
-                 **options) -> dict:
+def run_batchgen(model_dir: Path, variants: dict[str, list[dict]], temperature: float, tp: int = 1,
+                 repeats: int = 1, warm_up: bool = True, **options) -> dict[str, dict]:
+    """Each variant's rows through one engine, the variants alternating, repeats times -> per variant,
+    its best run (other work on the host only ever slows a run down), with every run's tok/s and the
+    engine's start-up time. Every run starts from an empty prefix cache."""
     start = time.perf_counter()
     llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp, **options)
     startup = time.perf_counter() - start  # weights, KV pool, kernel warm-up, CUDA graph captures
     params = SamplingParams(temperature=temperature, ignore_eos=True)
     if warm_up:  # a first small job; --no-warm-up measures a user's first job right after start-up
-        llm.generate_list([{**r, "n": 1} for r in requests[:2]], params)
-    if llm.engine.scheduler.cache is not None:
-        llm.engine.scheduler.cache.clear()  # the measured run starts from an empty prefix cache
-    torch.cuda.synchronize()
-    with GpuBusy() as busy:
-        start = time.perf_counter()
-        results = llm.generate_list(requests, params)
-        wall = time.perf_counter() - start
-    tokens = sum(r["completion_tokens"] for r in results)
-    assert tokens == sum(r["max_tokens"] * r.get("n", 1) for r in requests)
-    ttft = sorted(r["ttft_s"] for r in results)
-    prompt_tokens = sum(r["prompt_tokens"] for r in results)
-    hit_rate = sum(r["cached_prompt_tokens"] for r in results) / prompt_tokens if prompt_tokens else 0.0
+        for requests in variants.values():
+            llm.generate_list([{**r, "n": 1} for r in requests[:2]], params)
+    synchronize()
+    runs = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, requests in variants.items():
+            if llm.engine.scheduler.cache is not None:
+                llm.engine.scheduler.cache.clear()
+            with GpuBusy() as busy:
+                start = time.perf_counter()
+                results = llm.generate_list(requests, params)
+                wall = time.perf_counter() - start
+            tokens = sum(r["completion_tokens"] for r in results)
+            want = sum(r["max_tokens"] * r.get("n", 1) for r in requests)
+            assert tokens == want, [r["error"] for r in results if r["error"]][:3]
+            ttft = sorted(r["ttft_s"] for r in results)
+            prompt_tokens = sum(r["prompt_tokens"] for r in results)
+            hit_rate = sum(r["cached_prompt_tokens"] for r in results) / prompt_tokens if prompt_tokens else 0.0
+            runs[name].append({"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens,
+                               "ttft_p50_s": ttft[len(ttft) // 2], "gpu_busy_pct": busy.percent,
+                               "startup_s": startup, "prefix_cache_hit_rate": round(hit_rate, 4)})
     del llm
-    torch.cuda.empty_cache()
-    return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "ttft_p50_s": ttft[len(ttft) // 2],
-            "gpu_busy_pct": busy.percent, "startup_s": startup, "prefix_cache_hit_rate": round(hit_rate, 4)}
+    empty_cache()
+    best = {name: max(r, key=lambda run: run["tok_s"]) for name, r in runs.items()}
+    for name, r in runs.items():
+        best[name]["runs_tok_s"] = [round(run["tok_s"], 1) for run in r]
+    return best
 
 
 def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
     tokens = 0
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         chunk = requests[i : i + batch_size]
@@ -167,13 +262,13 @@ def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
             mask[j, width - n :] = 1
         longest = max(r["max_tokens"] for r in chunk)
         with torch.no_grad():
-            model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=longest, min_new_tokens=longest,
-                           do_sample=False, pad_token_id=0)
+            model.generate(ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=longest,
+                           min_new_tokens=longest, do_sample=False, pad_token_id=0)
         tokens += sum(r["max_tokens"] for r in chunk)
-    torch.cuda.synchronize()
+    synchronize()
     wall = time.perf_counter() - start
     del model
-    torch.cuda.empty_cache()
+    empty_cache()
     return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens}
 
 
@@ -201,6 +296,8 @@ def main(argv=None):
     ap.add_argument("--model", choices=list(MODELS), nargs="+", default=["llama-3.2-1b"])
     ap.add_argument("--workload", choices=list(WORKLOADS), nargs="+", default=["W-offline"])
     ap.add_argument("--hf-requests", type=int, default=0, help="run HF generate() on the first N requests")
+    ap.add_argument("--requests", type=int, help="only the first N requests of each workload (smoke checks)")
+    ap.add_argument("--repeats", type=int, help="runs of each variant, best counts (default: 2 for W-chat, else 1)")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--models-dir", default="/tmp/batchgen-bench-models")
@@ -212,29 +309,47 @@ def main(argv=None):
     ap.add_argument("--plot", help="write a PNG bar chart of this run's lines")
     args = ap.parse_args(argv)
     lines = []
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     for name in args.model:
         model_dir = build_model(name, Path(args.models_dir))
         for workload in args.workload:
-            requests = make_requests(workload, MODELS[name][1]["vocab_size"])
-            ours = run_batchgen(model_dir, requests, args.temperature, args.tensor_parallel_size, args.warm_up)
-            line = {"workload": workload, "model": name, "gpu": torch.cuda.get_device_name(),
-                    "tp": args.tensor_parallel_size, "torch": torch.__version__, "requests": len(requests),
-                    "temperature": args.temperature, "batchgen_tok_s": round(ours["tok_s"], 1),
-                    "batchgen_wall_s": round(ours["wall_s"], 2), "batchgen_ttft_p50_s": round(ours["ttft_p50_s"], 3),
-                    "gpu_busy_pct": ours["gpu_busy_pct"], "startup_s": round(ours["startup_s"], 2),
-                    "warm_up_job": args.warm_up, "prefix_cache_hit_rate": ours["prefix_cache_hit_rate"]}
+            requests = make_requests(workload, MODELS[name][1]["vocab_size"])[: args.requests]
+            line = {"workload": workload, "model": name, "gpu": gpu, "tp": args.tensor_parallel_size,
+                    "torch": torch.__version__, "requests": len(requests), "temperature": args.temperature}
+            if workload == "W-chat":
+                chat_dir = with_chat_tokenizer(model_dir)
+                ids = as_token_ids(requests, chat_dir)
+                both = run_batchgen(chat_dir, {"token_ids": ids, "messages": requests}, args.temperature,
+                                    args.tensor_parallel_size, args.repeats or 2, args.warm_up)
+                ours, by_ids = both["messages"], both["token_ids"]
+                line.update({"prompt_tokens": sum(len(r["prompt_token_ids"]) for r in ids),
+                             "token_ids_tok_s": round(by_ids["tok_s"], 1), "token_ids_wall_s": round(by_ids["wall_s"], 2),
+                             "messages_vs_token_ids": round(ours["tok_s"] / by_ids["tok_s"], 3),
+                             "runs_tok_s": {k: v["runs_tok_s"] for k, v in both.items()}})
+                requests = ids  # what HF generate() gets
+            else:
+                ours = run_batchgen(model_dir, {workload: requests}, args.temperature, args.tensor_parallel_size,
+                                    args.repeats or 1, args.warm_up)[workload]
+            line.update({"batchgen_tok_s": round(ours["tok_s"], 1), "batchgen_wall_s": round(ours["wall_s"], 2),
+                         "batchgen_ttft_p50_s": round(ours["ttft_p50_s"], 3), "gpu_busy_pct": ours["gpu_busy_pct"],
+                         "runs_tok_s": ours["runs_tok_s"], "startup_s": round(ours["startup_s"], 2),
+                         "warm_up_job": args.warm_up, "prefix_cache_hit_rate": ours["prefix_cache_hit_rate"]})
+            repeats = args.repeats or 1
+
+            def other(variant: list[dict], **options) -> dict:
+                return run_batchgen(model_dir, {workload: variant}, args.temperature, args.tensor_parallel_size,
+                                    repeats, args.warm_up, **options)[workload]
+
             if workload == "W-prefix" or args.compare_cache_off:
-                off = run_batchgen(model_dir, requests, args.temperature, args.tensor_parallel_size,
-                                   enable_prefix_caching=False)
+                off = other(requests, enable_prefix_caching=False)
                 line.update({"cache_off_tok_s": round(off["tok_s"], 1), "cache_off_wall_s": round(off["wall_s"], 2),
+                             "cache_off_runs_tok_s": off["runs_tok_s"],
                              "ratio_vs_cache_off": round(ours["tok_s"] / off["tok_s"], 3)})
             if workload == "W-n":
                 # the same job as n separate rows a prompt: without the cache (each row prefills its prompt)
                 # and with it (the rows share the prompt through the cache, as n's samples do)
-                rows = run_batchgen(model_dir, as_separate_rows(requests), args.temperature, args.tensor_parallel_size,
-                                    enable_prefix_caching=False)
-                cached = run_batchgen(model_dir, as_separate_rows(requests), args.temperature,
-                                      args.tensor_parallel_size)
+                rows = other(as_separate_rows(requests), enable_prefix_caching=False)
+                cached = other(as_separate_rows(requests))
                 line.update({"samples": SAMPLES, "separate_rows_tok_s": round(rows["tok_s"], 1),
                              "separate_rows_wall_s": round(rows["wall_s"], 2),
                              "ratio_vs_separate_rows": round(ours["tok_s"] / rows["tok_s"], 3),

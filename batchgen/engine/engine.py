@@ -12,7 +12,9 @@ from transformers import AutoTokenizer
 
 from batchgen.config import EngineConfig
 from batchgen.forward.parallel import SINGLE
-from batchgen.engine.request import Sequence, Status, make_samples, make_sequence
+from batchgen.engine.request import (
+    PreparedRequest, RequestPreparer, Sequence, Status, build_sequence, make_samples,
+)
 from batchgen.engine.runner import ModelRunner, StepOutput
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.tp_workers import TPWorkers, tp_device
@@ -75,12 +77,24 @@ class LLMEngine:
             "seed": self.config.seed,
         }
 
+    def request_preparer(self, defaults: SamplingParams) -> RequestPreparer:
+        """Rows -> PreparedRequest or RequestError each: the part of a request any thread may do."""
+        return RequestPreparer(defaults, self.config.seed, self.tokenizer, self.model_cfg.vocab_size,
+                               self.max_request_len)
+
+    def sequence(self, prepared: PreparedRequest) -> Sequence:
+        return build_sequence(prepared, self.eos_ids)
+
     def make_sequence(self, row: dict, defaults: SamplingParams) -> Sequence:
         """Validate a request row; raises RequestError with a one-line reason."""
-        return make_sequence(
-            row, defaults, self.config.seed, self.tokenizer, self.model_cfg.vocab_size, self.eos_ids,
-            self.max_request_len,
-        )
+        prepared, = self.request_preparer(defaults)([row])
+        if not isinstance(prepared, PreparedRequest):
+            raise prepared
+        return self.sequence(prepared)
+
+    def sequences(self, prepared: PreparedRequest, indices: list[int] | None = None) -> list[Sequence]:
+        """A prepared request -> the sequences of its n samples (those of `indices`, default all)."""
+        return make_samples(self.sequence(prepared), indices)
 
     def make_sequences(self, row: dict, defaults: SamplingParams) -> list[Sequence]:
         """Validate a request row -> the sequences of its n samples (RequestError as make_sequence)."""
@@ -160,8 +174,7 @@ class LLMEngine:
         params = seq.params
         num_out = len(seq.token_ids) - seq.num_prompt  # known on the host (pending ones not counted)
         if token in seq.stop_ids and num_out >= params.min_tokens:
-            seq.finish_reason = "stop"
-            seq.text = self.decode(seq.output_ids[:-1])
+            seq.finish_reason, seq.text_tokens = "stop", num_out - 1  # the text leaves out the stop token
             return True
         if params.stop and num_out >= params.min_tokens and (
             num_out == params.min_tokens or self._stop_in_tail(seq)
@@ -172,8 +185,7 @@ class LLMEngine:
                 seq.finish_reason, seq.text = "stop", text[:cut]
                 return True
         if num_out >= params.max_tokens:
-            seq.finish_reason = "length"
-            seq.text = self.decode(seq.output_ids)
+            seq.finish_reason, seq.text_tokens = "length", num_out
             return True
         return False
 
@@ -188,6 +200,16 @@ class LLMEngine:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decode_texts(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Fill in the text of finished sequences that have none yet (those that ended by a stop string
+        have theirs), in one batched call; any thread may run it. -> seqs"""
+        todo = [seq for seq in seqs if seq.text is None]
+        if todo:
+            ids = [seq.token_ids[seq.num_prompt : seq.num_prompt + seq.text_tokens] for seq in todo]
+            for seq, text in zip(todo, self.tokenizer.batch_decode(ids, skip_special_tokens=True)):
+                seq.text = text
+        return seqs
 
 
 def result_row(seq: Sequence) -> dict:

@@ -1,10 +1,15 @@
-"""A request's life in the engine: validation of the input row, then the Sequence state the scheduler
-and runner work on."""
+"""A request's life in the engine: the input row checked and tokenized into a PreparedRequest (pure:
+any thread may do it, batches of rows at a time), then the Sequence state the scheduler and runner
+work on (built on the engine thread)."""
 from __future__ import annotations
 
 import time
 from array import array
+from dataclasses import dataclass
 from enum import Enum
+from typing import Any
+
+from jinja2 import TemplateError
 
 from batchgen.sampling_params import SamplingParams, derive_seed, sample_seed
 from batchgen.schema import KNOWN_FIELDS, OUTPUT_OPTIONS, SAMPLING_FIELDS, FieldError, check_options, check_prompt
@@ -14,24 +19,92 @@ class RequestError(FieldError):
     """A bad request: its one-line message becomes the row's `error`."""
 
 
-def prompt_token_ids(prompt: dict, tokenizer, vocab_size: int) -> list[int]:
-    """prompt: check_prompt's {field: value} -> the prompt's token ids."""
-    (field, value), = prompt.items()
-    if field == "prompt":
-        ids = tokenizer(value).input_ids
-    elif field == "messages":
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise RequestError("messages given but the model's tokenizer has no chat template; use prompt")
-        text = tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-    else:
-        ids = value
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"prompt_token_ids holds {bad}, outside the vocabulary [0, {vocab_size})")
-    if not ids:
-        raise RequestError(f"{field} tokenizes to no tokens")
-    return list(ids)
+@dataclass
+class PreparedRequest:
+    """A request row checked and tokenized, not yet in the engine."""
+
+    id: Any
+    prompt_ids: list[int]
+    params: SamplingParams
+    extras: dict  # the row's other columns, carried through to its result
+    outputs: tuple[str, ...]  # the OUTPUT_OPTIONS the row asked for
+    arrival: float  # time.monotonic() when it was ready for the engine
+
+
+@dataclass
+class _Checked:
+    """A row whose fields passed the checks, on its way to the tokenizer."""
+
+    options: dict
+    params: SamplingParams
+    field: str  # its prompt field
+    text: str | None  # to tokenize: the prompt, or the chat template's text of the messages
+    ids: list[int] | None  # the prompt's ids: given, or once tokenized
+
+
+@dataclass(frozen=True)
+class RequestPreparer:
+    """Rows -> a PreparedRequest or a RequestError each, in order. Reads only its own fields: safe to
+    call from a worker thread while the engine runs. The rows' texts go to the tokenizer in one call
+    per batch (a fast tokenizer encodes a batch in Rust, with the GIL released)."""
+
+    defaults: SamplingParams
+    job_seed: int
+    tokenizer: Any
+    vocab_size: int
+    max_len: int  # prompt + max_tokens of one request: the model's length or the whole KV pool
+
+    def __call__(self, rows: list) -> list[PreparedRequest | RequestError]:
+        checked = [self._check(row) for row in rows]
+        # A plain prompt gets the tokenizer's special tokens (BOS); a chat template writes its own.
+        for field, special in (("prompt", True), ("messages", False)):
+            todo = [c for c in checked if isinstance(c, _Checked) and c.field == field]
+            if todo:
+                for c, ids in zip(todo, self.tokenizer([c.text for c in todo], add_special_tokens=special).input_ids):
+                    c.ids = ids
+        return [c if isinstance(c, RequestError) else self._finish(row, c) for row, c in zip(rows, checked)]
+
+    def _check(self, row) -> _Checked | RequestError:
+        if not isinstance(row, dict):
+            return RequestError(f"a request must be an object, got {type(row).__name__}")
+        try:
+            options, prompt = check_options(row), check_prompt(row)
+            params = self.defaults.replace(**{k: v for k, v in options.items() if k in SAMPLING_FIELDS})
+            if params.seed is None and not params.greedy:
+                params = params.replace(seed=derive_seed(self.job_seed, row.get("id")))
+            (field, value), = prompt.items()
+            if field == "prompt":
+                return _Checked(options, params, field, value, None)
+            if field == "messages":
+                return _Checked(options, params, field, chat_text(value, self.tokenizer), None)
+            if min(value) < 0 or max(value) >= self.vocab_size:
+                bad = next(t for t in value if not 0 <= t < self.vocab_size)
+                raise RequestError(f"prompt_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})")
+            return _Checked(options, params, field, None, value)
+        except ValueError as e:  # a FieldError, or a value SamplingParams refuses
+            return RequestError(str(e))
+
+    def _finish(self, row: dict, c: _Checked) -> PreparedRequest | RequestError:
+        if not c.ids:
+            return RequestError(f"{c.field} tokenizes to no tokens")
+        if len(c.ids) + c.params.max_tokens > self.max_len:
+            return RequestError(
+                f"prompt ({len(c.ids)} tokens) + max_tokens ({c.params.max_tokens}) exceeds the limit of "
+                f"{self.max_len} tokens (max model length or KV pool); shorten the prompt or lower max_tokens"
+            )
+        extras = {k: v for k, v in row.items() if k not in KNOWN_FIELDS}
+        outputs = tuple(name for name in OUTPUT_OPTIONS if c.options.get(name))
+        return PreparedRequest(row.get("id"), c.ids, c.params, extras, outputs, time.monotonic())
+
+
+def chat_text(messages: list[dict], tokenizer) -> str:
+    """checked messages -> the prompt text of the model's chat template, ready for the assistant's turn."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RequestError("messages given but the model's tokenizer has no chat template; use prompt")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:  # the template's own raise_exception(): roles out of order, and the like
+        raise RequestError("messages refused by the model's chat template: " + " ".join(str(e).split())) from None
 
 
 class Status(Enum):
@@ -70,7 +143,8 @@ class Sequence:
         self.sample_index = 0  # which of its row's n samples
         self.num_preemptions = 0
         self.finish_reason: str | None = None
-        self.text: str | None = None
+        self.text: str | None = None  # set at a stop string; else decoded from text_tokens off the loop
+        self.text_tokens = 0  # leading output tokens the text is decoded from, once finished
         self.arrival = arrival
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
@@ -115,30 +189,21 @@ class Sequence:
         return self.num_prompt + self.params.max_tokens
 
 
+def build_sequence(prepared: PreparedRequest, eos_ids: list[int]) -> Sequence:
+    """The engine thread's part of a request: its Sequence."""
+    seq = Sequence(prepared.id, prepared.prompt_ids, prepared.params, eos_ids, prepared.extras, prepared.arrival)
+    for name in prepared.outputs:
+        setattr(seq, name, [])
+    return seq
+
+
 def make_sequence(row: dict, defaults: SamplingParams, job_seed: int, tokenizer, vocab_size: int,
                   eos_ids: list[int], max_len: int) -> Sequence:
     """Validate a request row and build its Sequence; raises RequestError with a one-line reason."""
-    if not isinstance(row, dict):
-        raise RequestError(f"a request must be an object, got {type(row).__name__}")
-    try:
-        options, prompt = check_options(row), check_prompt(row)
-        params = defaults.replace(**{k: v for k, v in options.items() if k in SAMPLING_FIELDS})
-    except ValueError as e:  # a FieldError, or a value SamplingParams refuses
-        raise RequestError(str(e)) from None
-    if params.seed is None and not params.greedy:
-        params = params.replace(seed=derive_seed(job_seed, row.get("id")))
-    ids = prompt_token_ids(prompt, tokenizer, vocab_size)
-    if len(ids) + params.max_tokens > max_len:
-        raise RequestError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the limit of {max_len} "
-            "tokens (max model length or KV pool); shorten the prompt or lower max_tokens"
-        )
-    extras = {k: v for k, v in row.items() if k not in KNOWN_FIELDS}
-    seq = Sequence(row.get("id"), ids, params, eos_ids, extras, time.monotonic())
-    for name in OUTPUT_OPTIONS:
-        if options.get(name):
-            setattr(seq, name, [])
-    return seq
+    prepared, = RequestPreparer(defaults, job_seed, tokenizer, vocab_size, max_len)([row])
+    if isinstance(prepared, RequestError):
+        raise prepared
+    return build_sequence(prepared, eos_ids)
 
 
 def make_samples(seq: Sequence, indices: list[int] | None = None) -> list[Sequence]:
