@@ -80,8 +80,10 @@ class StructuredDecoding:
             return future
 
     def _compile(self, spec: StructuredSpec):
-        import xgrammar as xgr
-
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise GrammarError(f"{field_name(spec)}: constrained decoding needs xgrammar (pip install xgrammar)") from None
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
@@ -110,13 +112,8 @@ class StructuredDecoding:
         """The sequence's new token -> whether its grammar took it."""
         return seq.matcher.accept_token(token)
 
-    def fill(self, samplers: list[Sequence]) -> tuple[list[int], torch.Tensor | None, list[Sequence]]:
-        """The bitmasks of a step's constrained samplers, after the previous step's tokens were
-        accepted -> (their indices in `samplers`, bitmask [C, W] int32 on the host, sequences that
-        ended: their grammar is complete and allows nothing but a stop token, or failed to compile
-        (seq.error)). Finished sequences (their token in this step is surplus) get no mask."""
-        start = time.perf_counter()
-        import xgrammar as xgr
+    def _new_matcher(self, compiled):
+        import xgrammar as xgr  # (compiled: xgrammar is there)
 
         if self._bitmasks is None:
             words = (self.vocab_size + 31) // 32
@@ -126,24 +123,33 @@ class StructuredDecoding:
             for t in self.stop_ids:
                 stop[t // 32] &= ~np.uint32(1 << (t % 32))
             self._stop_words = stop
+        return xgr.GrammarMatcher(compiled)
+
+    def fill(self, samplers: list[Sequence]) -> tuple[list[int], torch.Tensor | None, list[Sequence]]:
+        """The bitmasks of a step's constrained samplers, after the previous step's tokens were
+        accepted -> (their indices in `samplers`, bitmask [C, W] int32 on the host, sequences that
+        ended: their grammar is complete and allows nothing but a stop token, or failed to compile
+        (seq.error)). Finished sequences (their token in this step is surplus) get no mask."""
+        start = time.perf_counter()
         indices, matchers, ended = [], [], []
         for i, seq in enumerate(samplers):
             if seq.structured is None or seq.status is Status.FINISHED:
                 continue
             if seq.matcher is None:
                 try:
-                    seq.matcher = xgr.GrammarMatcher(seq.grammar.result(), terminate_without_stop_token=False)
+                    seq.matcher = self._new_matcher(seq.grammar.result())
                 except GrammarError as e:
                     seq.error = str(e)
                     ended.append(seq)
                     continue
             indices.append(i)
             matchers.append(seq.matcher)
+        if not matchers:
+            return [], None, ended
         # one step's half; the other may still be copying to the device (step N+1 alternates)
         self._half ^= 1
         bitmask = self._bitmasks[self._half, : len(matchers)]
-        if matchers:
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
         rows = []
         for c, (i, matcher) in enumerate(zip(indices, matchers)):
             if matcher.is_completed() and not (bitmask[c].numpy().view(np.uint32) & self._stop_words).any():
