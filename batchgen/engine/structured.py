@@ -136,6 +136,8 @@ class StructuredDecoding:
             if seq.structured is None or seq.status is Status.FINISHED:
                 continue
             if seq.matcher is None:
+                if seq.grammar is None:  # made without attach() (another path that builds sequences)
+                    seq.grammar = self.compile(seq.structured)
                 try:
                     seq.matcher = self._new_matcher(seq.grammar.result())
                 except GrammarError as e:

@@ -159,3 +159,32 @@ def test_top_logprobs_match_a_reference_log_softmax(llm, tiny_model):
                 assert e["token"] == llm.tokenizer.decode([e["token_id"]])
         if key == "k5":  # logprobs (of the chosen token) is the top-1 under greedy
             assert r["logprobs"] == pytest.approx([t[0]["logprob"] for t in r["top_logprobs"]], abs=1e-6)
+
+
+PREEMPT_PATTERN = "[a-z]{3}( [a-z0-9]{2,4}){12,14}\\."
+
+
+def constrained_rows(n: int) -> list[dict]:
+    return [{"id": i, "prompt": "the quick brown fox jumps over the lazy dog"[: 10 + 3 * i], "seed": i,
+             "structured_outputs": {"regex": PREEMPT_PATTERN}} for i in range(n)]
+
+
+def test_preemption_and_small_steps_give_the_same_constrained_outputs(tiny_model):
+    """A preempted constrained row recomputes its KV, not its grammar state: the outputs equal a
+    run with room for every row."""
+    params = SamplingParams(temperature=0.8, max_tokens=48)
+    roomy = LLM(str(tiny_model("qwen2")), max_num_seqs=8, kv_cache_tokens=1000, max_model_len=128, dtype="float32")
+    want = roomy.generate_list(constrained_rows(6), params)
+    tight = LLM(str(tiny_model("qwen2")), max_num_seqs=6, kv_cache_tokens=64, max_model_len=128, dtype="float32",
+                max_num_batched_tokens=16)
+    got = tight.generate_list(constrained_rows(6), params)
+    assert sum(r["num_preemptions"] for r in got) > 0
+    assert [r["output_token_ids"] for r in got] == [r["output_token_ids"] for r in want]
+    for r in got:
+        assert r["finish_reason"] == "stop" and re.fullmatch(PREEMPT_PATTERN, r["text"]), r
+
+
+def test_a_stop_string_cuts_a_constrained_row(llm):
+    rows = [{"id": 0, "prompt": "hello", "stop": [" "], "structured_outputs": {"regex": "[a-z]{3}( [a-z]{3}){3}"}}]
+    r = llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=20))[0]
+    assert r["finish_reason"] == "stop" and re.fullmatch("[a-z]{3}", r["text"])
