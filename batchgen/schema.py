@@ -98,8 +98,8 @@ def check_prompt(row: dict) -> dict:
 
 
 def check_options(row: dict) -> dict:
-    """The row's non-null sampling fields and output options, type-checked (value ranges are
-    SamplingParams' to check) -> {field: value}."""
+    """The row's non-null sampling fields, output options and constraint, type-checked (value
+    ranges are SamplingParams' to check) -> {field: value}, itself a row that passes again."""
     fields: dict[str, Any] = {}
     for name in INT_FIELDS:
         if row.get(name) is not None:
@@ -128,9 +128,9 @@ def check_options(row: dict) -> dict:
         if not 0 <= k <= MAX_TOP_LOGPROBS:
             raise FieldError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
         fields["top_logprobs"] = k
-    spec = check_structured(row)
-    if spec is not None:
-        fields["structured"] = spec
+    if check_structured(row) is not None:  # (the spec itself is check_structured's, for the engine)
+        field = next(f for f in STRUCTURED_FIELDS if row.get(f) is not None)
+        fields[field] = row[field]
     return fields
 
 

@@ -7,7 +7,9 @@ from array import array
 from enum import Enum
 
 from batchgen.sampling_params import SamplingParams, derive_seed
-from batchgen.schema import KNOWN_FIELDS, LOGPROB_OPTIONS, SAMPLING_FIELDS, FieldError, check_options, check_prompt
+from batchgen.schema import (
+    KNOWN_FIELDS, LOGPROB_OPTIONS, SAMPLING_FIELDS, FieldError, check_options, check_prompt, check_structured,
+)
 
 
 class RequestError(FieldError):
@@ -135,5 +137,5 @@ def make_sequence(row: dict, defaults: SamplingParams, job_seed: int, tokenizer,
     if options.get("top_logprobs") is not None:
         seq.num_top_logprobs = options["top_logprobs"]
         seq.top_logprobs = []
-    seq.structured = options.get("structured")
+    seq.structured = check_structured(row)
     return seq
