@@ -163,6 +163,12 @@ SAMPLING_OPTIONS = (
     _option("ignore_eos", bool, False, panel=SAMPLING, help="Generate past EOS, up to --max-tokens."),
     _option("seed", int, 0, panel=SAMPLING,
             help="Job seed: a row without its own seed gets one derived from (seed, id)."),
+    _option("response_format", Optional[str], None, panel=SAMPLING, metavar="JSON",
+            help='Constrain every row that has no constraint of its own, OpenAI\'s form: '
+                 '\'{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}\' or \'{"type": "json_object"}\'.'),
+    _option("structured_outputs", Optional[str], None, panel=SAMPLING, metavar="JSON",
+            help='Likewise, vLLM\'s form: one of \'{"json": {...}}\', \'{"regex": ...}\', \'{"choice": [...]}\', '
+                 '\'{"grammar": EBNF}\'.'),
 )
 QUEUE_OPTIONS = (
     _option("redis_url", str, ..., panel=QUEUE, show_default=False, metavar="URL",
@@ -222,9 +228,16 @@ def _engine_setup(options: dict) -> _EngineSetup:
     try:
         sampling = SamplingParams(max_tokens=o["max_tokens"], min_tokens=o["min_tokens"], temperature=o["temperature"],
                                   top_p=o["top_p"], top_k=o["top_k"], stop=list(o["stop"] or []),
-                                  ignore_eos=o["ignore_eos"])
+                                  ignore_eos=o["ignore_eos"], response_format=o["response_format"],
+                                  structured_outputs=o["structured_outputs"])
     except ValueError as e:
-        raise _UsageError(f"invalid sampling default: {e}") from None
+        message = str(e)
+        if message.startswith("both response_format"):
+            message = "both --response-format and --structured-outputs given: use one of them"
+        for name in ("response_format", "structured_outputs"):  # name them as options
+            if message.startswith(name):
+                message = "--" + name.replace("_", "-") + message[len(name):]
+        raise _UsageError(f"invalid sampling default: {message}") from None
     engine_options = dict(
         dtype=o["dtype"].value, device=o["device"].value, tensor_parallel_size=o["tensor_parallel_size"],
         max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
@@ -240,6 +253,7 @@ def _engine_setup(options: dict) -> _EngineSetup:
         "max_model_len": o["max_model_len"], "kv_cache_tokens": o["kv_cache_tokens"], "seed": o["seed"],
         "max_tokens": o["max_tokens"], "min_tokens": o["min_tokens"], "temperature": o["temperature"],
         "top_p": o["top_p"], "top_k": sampling.top_k, "stop": sampling.stop, "ignore_eos": o["ignore_eos"],
+        **({"structured": list(sampling.structured.key)} if sampling.structured is not None else {}),
     }
     return _EngineSetup(o["model"], engine_options, sampling, settings)
 

@@ -8,7 +8,7 @@ from enum import Enum
 
 from batchgen.sampling_params import SamplingParams, derive_seed
 from batchgen.schema import (
-    KNOWN_FIELDS, LOGPROB_OPTIONS, SAMPLING_FIELDS, FieldError, check_options, check_prompt, check_structured,
+    KNOWN_FIELDS, LOGPROB_OPTIONS, SAMPLING_FIELDS, STRUCTURED_FIELDS, FieldError, check_options, check_prompt, check_structured,
 )
 
 
@@ -137,5 +137,6 @@ def make_sequence(row: dict, defaults: SamplingParams, job_seed: int, tokenizer,
     if options.get("top_logprobs") is not None:
         seq.num_top_logprobs = options["top_logprobs"]
         seq.top_logprobs = []
-    seq.structured = check_structured(row)
+    own = any(row.get(f) is not None for f in STRUCTURED_FIELDS)
+    seq.structured = check_structured(row) if own else params.structured
     return seq

@@ -188,3 +188,18 @@ def test_a_stop_string_cuts_a_constrained_row(llm):
     rows = [{"id": 0, "prompt": "hello", "stop": [" "], "structured_outputs": {"regex": "[a-z]{3}( [a-z]{3}){3}"}}]
     r = llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=20))[0]
     assert r["finish_reason"] == "stop" and re.fullmatch("[a-z]{3}", r["text"])
+
+
+def test_the_jobs_constraint_applies_to_rows_without_their_own(llm):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, structured_outputs={"regex": "[0-9]{3}"})
+    rows = [
+        {"id": "job", "prompt": "hello"},
+        {"id": "own", "prompt": "hello", "structured_outputs": {"regex": "[a-z]{2}"}},
+        {"id": "free", "prompt": "hello", "response_format": {"type": "text"}},
+    ]
+    by_id = {r["id"]: r for r in llm.generate(rows, params)}
+    assert re.fullmatch("[0-9]{3}", by_id["job"]["text"]) and by_id["job"]["finish_reason"] == "stop"
+    assert re.fullmatch("[a-z]{2}", by_id["own"]["text"]) and by_id["own"]["finish_reason"] == "stop"
+    assert by_id["free"]["finish_reason"] == "length" and by_id["free"]["completion_tokens"] == 6
+    with pytest.raises(ValueError, match="structured_outputs.choice must be a non-empty list"):
+        SamplingParams(structured_outputs={"choice": []})
