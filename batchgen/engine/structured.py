@@ -85,9 +85,10 @@ class StructuredDecoding:
         except ImportError:
             raise GrammarError(f"{field_name(spec)}: constrained decoding needs xgrammar (pip install xgrammar)") from None
         if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+            info = xgr.TokenizerInfo.from_huggingface(  # (no EOS known: xgrammar looks for one)
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids or None
             )
+            self.stop_ids = list(info.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         compiler = self._compiler
         try:
