@@ -13,7 +13,8 @@ W-json is W-short's requests (lengths, token-id prompts) with max_tokens 64 and 
 every row (response_format); it is compared with the same requests unconstrained, each row's
 max_tokens set to what it generated under the schema (rows end when their grammar completes), so
 both runs generate the same tokens. Its line adds the unconstrained run, their ratio and the host
-time spent filling token masks per constrained step.
+time per constrained step spent filling token masks and accepting the sampled tokens (while the GPU
+runs the step's forward).
 """
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def run_batchgen(model_dir: Path, requests: list[dict], temperature: float, tp: 
     llm.generate_list(requests[:2], params)  # warm-up: kernels compiled, allocator primed, schema compiled
     torch.cuda.synchronize()
     structured = llm.engine.structured
-    structured.mask_seconds, structured.mask_steps = 0.0, 0
+    structured.mask_seconds, structured.accept_seconds, structured.mask_steps = 0.0, 0.0, 0
     with GpuBusy() as busy:
         start = time.perf_counter()
         results = llm.generate_list(requests, params)
@@ -142,6 +143,7 @@ def run_batchgen(model_dir: Path, requests: list[dict], temperature: float, tp: 
            "gpu_busy_pct": busy.percent, "completion_tokens": [r["completion_tokens"] for r in results]}
     if structured.mask_steps:
         out["mask_ms_per_step"] = 1000 * structured.mask_seconds / structured.mask_steps
+        out["accept_ms_per_step"] = 1000 * structured.accept_seconds / structured.mask_steps
     return out
 
 
@@ -221,6 +223,7 @@ def main(argv=None):
                         for r, n in zip(requests, ours["completion_tokens"])]
                 base = run_batchgen(model_dir, free, args.temperature, args.tensor_parallel_size)
                 line.update({"mask_ms_per_step": round(ours.get("mask_ms_per_step", 0.0), 3),
+                             "accept_ms_per_step": round(ours.get("accept_ms_per_step", 0.0), 3),
                              "ended_by_grammar": sum(n < 64 for n in ours["completion_tokens"]),
                              "unconstrained_tok_s": round(base["tok_s"], 1),
                              "json_ratio": round(ours["tok_s"] / base["tok_s"], 3)})

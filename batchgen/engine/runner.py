@@ -310,7 +310,8 @@ class ModelRunner:
         wanting = [i for i, s in enumerate(samplers) if s.logprobs is not None]
         if samplers:
             if wanting:
-                wanted_lp = torch.log_softmax(logits[self._tensor(wanting, torch.int64)], dim=-1)
+                wanting_rows = self._tensor(wanting, torch.int64)
+                wanted_lp = torch.log_softmax(logits[wanting_rows], dim=-1)
             top = self._top_logprobs(logits, samplers)
             if mask is not None:
                 rows, bitmask = mask
@@ -318,7 +319,7 @@ class ModelRunner:
             tokens = sample(logits[:num_sampled], self.sampling_batch(samplers))
             self.tp.broadcast(tokens)  # the other ranks' next step may take input tokens from them
             if wanting:
-                outputs.append(wanted_lp.gather(1, tokens[self._tensor(wanting, torch.int64)][:, None]).squeeze(1))
+                outputs.append(wanted_lp.gather(1, tokens[wanting_rows][:, None]).squeeze(1))
         if scored:
             targets = self._tensor([t for _, _, ids in scored for t in ids], torch.int64)
             lp = torch.log_softmax(logits[num_sampled:], dim=-1)

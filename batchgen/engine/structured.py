@@ -67,7 +67,8 @@ class StructuredDecoding:
         self._half = 0
         self._batch_matcher = None
         self._stop_words: np.ndarray | None = None  # [W] uint32: every bit except the stop tokens'
-        self.mask_seconds = 0.0  # host time spent filling bitmasks, for benchmarks
+        # host time spent filling bitmasks (per constrained step) and accepting tokens, for benchmarks
+        self.mask_seconds = self.accept_seconds = 0.0
         self.mask_steps = 0
 
     # ---- compiling (worker thread) -------------------------------------------------------------
@@ -111,7 +112,10 @@ class StructuredDecoding:
     # ---- matching (engine loop) ----------------------------------------------------------------
     def accept(self, seq: Sequence, token: int) -> bool:
         """The sequence's new token -> whether its grammar took it."""
-        return seq.matcher.accept_token(token)
+        start = time.perf_counter()
+        accepted = seq.matcher.accept_token(token)
+        self.accept_seconds += time.perf_counter() - start
+        return accepted
 
     def _new_matcher(self, compiled):
         import xgrammar as xgr  # (compiled: xgrammar is there)
