@@ -179,6 +179,12 @@ SAMPLING_OPTIONS = (
     _option("generation_config", GenerationConfig, GenerationConfig.auto, panel=SAMPLING,
             help="auto: sampling defaults not given as options come from the model's generation_config.json "
                  "(temperature, top_p, top_k, max_new_tokens); none: from batchgen's built-ins."),
+    _option("response_format", Optional[str], None, panel=SAMPLING, metavar="JSON",
+            help='Constrain every row that has no constraint of its own, OpenAI\'s form: '
+                 '\'{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}\' or \'{"type": "json_object"}\'.'),
+    _option("structured_outputs", Optional[str], None, panel=SAMPLING, metavar="JSON",
+            help='Likewise, vLLM\'s form: one of \'{"json": {...}}\', \'{"regex": ...}\', \'{"choice": [...]}\', '
+                 '\'{"grammar": EBNF}\'.'),
 )
 QUEUE_OPTIONS = (
     _option("redis_url", str, ..., panel=QUEUE, show_default=False, metavar="URL",
@@ -251,12 +257,19 @@ def _engine_setup(options: dict) -> _EngineSetup:
         raise _UsageError(str(e)) from None
     given = {name: o[name] for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k")}
     given.update(stop=o["stop"] or None, ignore_eos=o["ignore_eos"] or None,  # None: not given
-                 n=o["n"] if o["n"] != 1 else None)
+                 n=o["n"] if o["n"] != 1 else None, response_format=o["response_format"],
+                 structured_outputs=o["structured_outputs"])
     try:
         sampling, sources = resolve_defaults(given, _model_sampling_defaults(o["model"], o["generation_config"]))
     except ValueError as e:
-        hint = "; --generation-config none ignores the model's file" if "generation_config.json" in str(e) else ""
-        raise _UsageError(f"invalid sampling default: {e}{hint}") from None
+        message = str(e)
+        if message.startswith("both response_format"):
+            message = "both --response-format and --structured-outputs given: use one of them"
+        for name in ("response_format", "structured_outputs"):  # name them as options
+            if message.startswith(name):
+                message = "--" + name.replace("_", "-") + message[len(name):]
+        hint = "; --generation-config none ignores the model's file" if "generation_config.json" in message else ""
+        raise _UsageError(f"invalid sampling default: {message}{hint}") from None
     defaults = {name: getattr(sampling, name) for name in sources}
     settings = {
         "model": o["model"] or "default", "dtype": o["dtype"].value, "device": o["device"].value,
@@ -265,6 +278,7 @@ def _engine_setup(options: dict) -> _EngineSetup:
         "top_p": sampling.top_p, "top_k": sampling.top_k, "stop": sampling.stop, "ignore_eos": sampling.ignore_eos,
         "generation_config": o["generation_config"].value,
         **({"n": o["n"]} if o["n"] != 1 else {}),  # (absent for n=1: the fingerprints of earlier runs hold)
+        **({"structured": list(sampling.structured.key)} if sampling.structured is not None else {}),
     }
     # for the output's metadata and the summary: each default's value and where it came from
     described = {"sampling_defaults": defaults, "sampling_defaults_from": sources}

@@ -12,7 +12,10 @@ from typing import Any
 from jinja2 import TemplateError
 
 from batchgen.sampling_params import SamplingParams, derive_seed, sample_seed
-from batchgen.schema import KNOWN_FIELDS, OUTPUT_OPTIONS, SAMPLING_FIELDS, FieldError, check_options, check_prompt
+from batchgen.schema import (
+    KNOWN_FIELDS, LOGPROB_OPTIONS, OUTPUT_OPTIONS, SAMPLING_FIELDS, STRUCTURED_FIELDS, FieldError, check_options,
+    check_prompt, check_structured,
+)
 
 
 class RequestError(FieldError):
@@ -27,8 +30,10 @@ class PreparedRequest:
     prompt_ids: list[int]
     params: SamplingParams
     extras: dict  # the row's other columns, carried through to its result
-    outputs: tuple[str, ...]  # the OUTPUT_OPTIONS the row asked for
+    outputs: tuple[str, ...]  # the LOGPROB_OPTIONS the row asked for
     arrival: float  # time.monotonic() when it was ready for the engine
+    top_logprobs: int | None = None  # k alternatives per generated token, when asked for
+    structured: Any = None  # its decoding constraint (schema.StructuredSpec), its own or the job's
 
 
 @dataclass
@@ -37,6 +42,7 @@ class _Checked:
 
     options: dict
     params: SamplingParams
+    structured: Any  # the row's own decoding constraint, else the job's (None: unconstrained)
     field: str  # its prompt field
     text: str | None  # to tokenize: the prompt, or the chat template's text of the messages
     ids: list[int] | None  # the prompt's ids: given, or once tokenized
@@ -72,15 +78,17 @@ class RequestPreparer:
             params = self.defaults.replace(**{k: v for k, v in options.items() if k in SAMPLING_FIELDS})
             if params.seed is None and not params.greedy:
                 params = params.replace(seed=derive_seed(self.job_seed, row.get("id")))
+            own = any(row.get(f) is not None for f in STRUCTURED_FIELDS)
+            structured = check_structured(row) if own else params.structured
             (field, value), = prompt.items()
             if field == "prompt":
-                return _Checked(options, params, field, value, None)
+                return _Checked(options, params, structured, field, value, None)
             if field == "messages":
-                return _Checked(options, params, field, chat_text(value, self.tokenizer), None)
+                return _Checked(options, params, structured, field, chat_text(value, self.tokenizer), None)
             if min(value) < 0 or max(value) >= self.vocab_size:
                 bad = next(t for t in value if not 0 <= t < self.vocab_size)
                 raise RequestError(f"prompt_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})")
-            return _Checked(options, params, field, None, value)
+            return _Checked(options, params, structured, field, None, value)
         except ValueError as e:  # a FieldError, or a value SamplingParams refuses
             return RequestError(str(e))
 
@@ -93,8 +101,9 @@ class RequestPreparer:
                 f"{self.max_len} tokens (max model length or KV pool); shorten the prompt or lower max_tokens"
             )
         extras = {k: v for k, v in row.items() if k not in KNOWN_FIELDS}
-        outputs = tuple(name for name in OUTPUT_OPTIONS if c.options.get(name))
-        return PreparedRequest(row.get("id"), c.ids, c.params, extras, outputs, time.monotonic())
+        outputs = tuple(name for name in LOGPROB_OPTIONS if c.options.get(name))
+        return PreparedRequest(row.get("id"), c.ids, c.params, extras, outputs, time.monotonic(),
+                               c.options.get("top_logprobs"), c.structured)
 
 
 def chat_text(messages: list[dict], tokenizer) -> str:
@@ -152,6 +161,15 @@ class Sequence:
         # log p(token) of each generated token / of each prompt token after the first, when asked for
         self.logprobs: list[float] | None = None
         self.prompt_logprobs: list[float] | None = None
+        # top_logprobs: k, and per generated token its k most likely (token id, logprob)
+        self.num_top_logprobs = 0
+        self.top_logprobs: list[list[tuple[int, float]]] | None = None
+        # constrained decoding (engine/structured.py): the row's spec, its compiled grammar (a
+        # future, compiled on a worker thread) and the matcher that has accepted its output tokens
+        self.structured = None
+        self.grammar = None
+        self.matcher = None
+        self.error: str | None = None  # set when the sequence failed in the engine (its grammar)
 
     @property
     def num_tokens(self) -> int:
@@ -194,6 +212,9 @@ def build_sequence(prepared: PreparedRequest, eos_ids: list[int]) -> Sequence:
     seq = Sequence(prepared.id, prepared.prompt_ids, prepared.params, eos_ids, prepared.extras, prepared.arrival)
     for name in prepared.outputs:
         setattr(seq, name, [])
+    if prepared.top_logprobs is not None:
+        seq.num_top_logprobs, seq.top_logprobs = prepared.top_logprobs, []
+    seq.structured = prepared.structured
     return seq
 
 
@@ -221,6 +242,7 @@ def make_samples(seq: Sequence, indices: list[int] | None = None) -> list[Sequen
             for name in OUTPUT_OPTIONS:
                 if getattr(seq, name) is not None:
                     setattr(sample, name, [])
+            sample.num_top_logprobs, sample.structured = seq.num_top_logprobs, seq.structured
         sample.sample_index = i
         samples.append(sample)
     return samples

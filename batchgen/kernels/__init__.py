@@ -13,6 +13,7 @@ from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.decode_attention import decode_attention
 from batchgen.kernels.unified_attention import unified_attention
 from batchgen.kernels.gumbel_argmax import gumbel_argmax
+from batchgen.kernels.token_bitmask import apply_token_bitmask
 
 __all__ = [
     "rmsnorm",
@@ -25,4 +26,5 @@ __all__ = [
     "decode_attention",
     "unified_attention",
     "gumbel_argmax",
+    "apply_token_bitmask",
 ]

@@ -41,7 +41,7 @@ def test_mixed_step_graph_equals_eager(tiny_model, kind):
                 torch.testing.assert_close(graphed, eager_split, rtol=1e-3, atol=1e-3)
                 checked += 1
         # then the step as engine.step() runs it, so that the engine's state moves on
-        launched = runner.launch(inputs, samplers, [], engine.in_flight)
+        launched = runner.launch_sampling(runner.launch_forward(inputs, engine.in_flight), samplers, [])
         if engine.in_flight is not None:
             engine._read_back(engine.in_flight)
         engine.in_flight = launched
