@@ -63,6 +63,6 @@ class Staging:
         """Start copying a device tensor back; read it only after the step's event."""
         if self.arenas is None:
             return tensor
-        host = self.arenas[tensor.dtype].take(tensor.numel())
+        host = self.arenas[tensor.dtype].take(tensor.numel()).view(tensor.shape)
         host.copy_(tensor, non_blocking=True)
         return host
