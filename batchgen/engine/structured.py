@@ -15,6 +15,7 @@ import json
 import re
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -25,6 +26,9 @@ from batchgen.schema import StructuredSpec
 
 # xgrammar's errors start with a timestamp and its C++ source location: "[11:09:04] /x/y.cc:83: "
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# distinct specs kept compiled; a sequence holds its own grammar, so an evicted one is only recompiled
+# for rows that come later (a job with a schema per row does not keep every one)
+CACHE_SIZE = 256
 
 
 class GrammarError(ValueError):
@@ -61,10 +65,11 @@ class StructuredDecoding:
         self.pin_memory = pin_memory
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgen-grammar")
         self._lock = threading.Lock()  # sequences may be made on several threads (a tokenizer pool)
-        self._compiled: dict[tuple[str, str], Future] = {}
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # least recently used first
         self._compiler = None  # xgrammar's, made on the worker thread by the first compile
-        self._bitmasks: torch.Tensor | None = None  # [2, max_num_seqs, W] int32: two steps' halves
-        self._half = 0
+        # [max_num_seqs, W] int32. One buffer is enough: a fill comes after the read-back of the step
+        # that the previous fill's copy was queued in, so that copy is done.
+        self._bitmask: torch.Tensor | None = None
         self._batch_matcher = None
         self._stop_words: np.ndarray | None = None  # [W] uint32: every bit except the stop tokens'
         # host time spent filling bitmasks (per constrained step) and accepting tokens, for benchmarks
@@ -78,6 +83,10 @@ class StructuredDecoding:
             future = self._compiled.get(spec.key)
             if future is None:
                 future = self._compiled[spec.key] = self._pool.submit(self._compile, spec)
+                if len(self._compiled) > CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(spec.key)
             return future
 
     def _compile(self, spec: StructuredSpec):
@@ -120,9 +129,9 @@ class StructuredDecoding:
     def _new_matcher(self, compiled):
         import xgrammar as xgr  # (compiled: xgrammar is there)
 
-        if self._bitmasks is None:
+        if self._bitmask is None:
             words = (self.vocab_size + 31) // 32
-            self._bitmasks = torch.empty((2, self.max_num_seqs, words), dtype=torch.int32, pin_memory=self.pin_memory)
+            self._bitmask = torch.empty((self.max_num_seqs, words), dtype=torch.int32, pin_memory=self.pin_memory)
             self._batch_matcher = xgr.BatchGrammarMatcher()
             stop = np.full(words, 0xFFFFFFFF, dtype=np.uint32)
             for t in self.stop_ids:
@@ -153,9 +162,7 @@ class StructuredDecoding:
             matchers.append(seq.matcher)
         if not matchers:
             return [], None, ended
-        # one step's half; the other may still be copying to the device (step N+1 alternates)
-        self._half ^= 1
-        bitmask = self._bitmasks[self._half, : len(matchers)]
+        bitmask = self._bitmask[: len(matchers)]
         self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
         rows = []
         for c, (i, matcher) in enumerate(zip(indices, matchers)):

@@ -204,3 +204,18 @@ def test_the_jobs_constraint_applies_to_rows_without_their_own(llm):
     assert by_id["free"]["finish_reason"] == "length" and by_id["free"]["completion_tokens"] == 6
     with pytest.raises(ValueError, match="structured_outputs.choice must be a non-empty list"):
         SamplingParams(structured_outputs={"choice": []})
+
+
+def test_the_compile_cache_keeps_the_most_recently_used_specs(llm, monkeypatch):
+    from batchgen.engine import structured
+
+    monkeypatch.setattr(structured, "CACHE_SIZE", 2)
+    cache = structured.StructuredDecoding(llm.tokenizer, 384, [EOS], max_num_seqs=4, pin_memory=False)
+    a, b, c = (check_structured({"structured_outputs": {"regex": r}}) for r in ("a+", "b+", "c+"))
+    first = cache.compile(a)
+    assert cache.compile(a) is first  # one compile per distinct spec
+    cache.compile(b)
+    cache.compile(a)  # used again: b is now the least recently used
+    cache.compile(c)
+    assert cache.compile(a) is first and set(cache._compiled) == {a.key, c.key}
+    assert first.result() is not None
