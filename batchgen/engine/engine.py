@@ -2,7 +2,6 @@
 sequences out with their text and metrics."""
 from __future__ import annotations
 
-import gc
 import logging
 import time
 import weakref
@@ -61,11 +60,6 @@ class LLMEngine:
         )
         self._token_texts: dict[int, str] = {}  # top_logprobs' token strings
         self.in_flight: StepOutput | None = None  # the launched step not yet read back
-        # What exists now (weights' modules, the tokenizer's vocabularies, captured graphs) lives as
-        # long as the engine: out of the collector's full scans, which a job's churn of small lists
-        # sets off again and again.
-        gc.collect()
-        gc.freeze()
         log.info("engine ready: %s", self.describe())
 
     def describe(self) -> dict:
