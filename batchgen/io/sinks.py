@@ -339,10 +339,8 @@ class Totals:
 
 def prefix_cache_totals(totals: Totals) -> dict:
     """The job metadata's prefix cache figures: prompt tokens reused, and their share of all."""
-    return {
-        "cached_prompt_tokens": totals.cached_prompt_tokens,
-        "prefix_cache_hit_rate": round(totals.cached_prompt_tokens / totals.prompt_tokens, 4) if totals.prompt_tokens else 0.0,
-    }
+    rate = totals.cached_prompt_tokens / totals.prompt_tokens if totals.prompt_tokens else 0.0
+    return {"cached_prompt_tokens": totals.cached_prompt_tokens, "prefix_cache_hit_rate": round(rate, 4)}
 
 
 def read_row_keys(part: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,9 +1,9 @@
 """`batchgen collect`: a job's result stream into the same Parquet file as `batchgen run` writes.
 
 Reads the result stream from its start (XREAD, no consumer group: collecting never changes what
-workers see, and can be repeated), keeps the first result of each row, and when every row of the job
-has one (a row of n samples: n, one per sample_index), writes the file through the Parquet sink (part files in a temporary directory beside OUTPUT,
-merged and renamed into place). A row can be answered twice (by a worker that wrote its result just
+workers see, and can be repeated), keeps the first result of each row (of each sample of a row of n
+samples), and when every row of the job has them, writes the file through the Parquet sink (part
+files in a temporary directory beside OUTPUT, merged and renamed into place). A row can be answered twice (by a worker that wrote its result just
 before a restart lost the acknowledgement); the second answer is counted and dropped.
 """
 
