@@ -26,6 +26,7 @@ from batchgen.io.resume import JobError
 from batchgen.io.rows import ROW_KEY
 from batchgen.io.sinks import Layout, PartWriter, Totals, merge_parts, prefix_cache_totals
 from batchgen.queue.protocol import Backoff, Keys, is_retryable, text
+from batchgen.sampling_params import MAX_N
 from batchgen.version import __version__
 
 log = logging.getLogger("batchgen.collect")
@@ -122,11 +123,14 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
                             result.duplicates += 1
                             continue
                         samples = int(fields["samples"]) if (fields.get("samples") or "").isdigit() else 1
+                        sample = row.get("sample_index")
+                        if isinstance(sample, bool) or not isinstance(sample, int) or not 0 <= sample < MAX_N:
+                            sample = row["sample_index"] = 0  # (another producer's result)
                         got = partial.setdefault(index, set())
-                        if row.get("sample_index") in got:
+                        if sample in got:
                             result.duplicates += 1
                             continue
-                        got.add(row.get("sample_index"))
+                        got.add(sample)
                         if len(got) >= samples:  # the row is done once every sample's result is here
                             del partial[index]
                             done[index] = True
