@@ -596,4 +596,5 @@ def test_samples_of_a_row_are_answered_together_and_collected_once_each(tmp_path
     result = collect_job(client, keys, "j", tmp_path / "out.parquet", timeout_s=10)
     assert result.rows == len(rows) and result.duplicates == 0
     out = pq.read_table(tmp_path / "out.parquet").to_pylist()
-    assert sorted((r["id"], r["sample_index"]) for r in out) == sorted((r["id"], i) for r in rows for i in range(r["n"]))
+    pairs = sorted((r["id"], i) for r in rows for i in range(r["n"]))
+    assert sorted((r["id"], r["sample_index"]) for r in out) == pairs

@@ -238,7 +238,8 @@ def make_samples(seq: Sequence, indices: list[int] | None = None) -> list[Sequen
         sample = seq
         if i > 0:
             params = seq.params.replace(seed=sample_seed(seq.params.seed, i))
-            sample = Sequence(seq.id, seq.token_ids[: seq.num_prompt], params, list(seq.stop_ids), seq.extras, seq.arrival)
+            prompt = seq.token_ids[: seq.num_prompt]
+            sample = Sequence(seq.id, prompt, params, list(seq.stop_ids), seq.extras, seq.arrival)
             for name in OUTPUT_OPTIONS:
                 if getattr(seq, name) is not None:
                     setattr(sample, name, [])

@@ -184,7 +184,7 @@ class Scheduler:
     def _lookup(self, seq: Sequence) -> tuple:
         """The longest cached prefix a waiting sequence may reuse, locked -> (node, its slots), or
         (None, empty) when there is none."""
-        if self.cache is None or seq.reuse_limit <= 0:
+        if self.cache is None or seq.reuse_limit <= 0 or seq.token_ids[0] not in self.cache.root.children:
             return None, array("q")
         node, slots = self.cache.match(self.cache.root, seq.token_ids[: seq.reuse_limit])
         if not slots:

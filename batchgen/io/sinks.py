@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.io.rows import OUTPUT_FIELDS, ROW_KEY
+from batchgen.sampling_params import MAX_N
 from batchgen.schema import KNOWN_FIELDS, LOGPROB_OPTIONS
 
 OUTPUT_TYPES: dict[str, pa.DataType] = {
@@ -344,10 +345,8 @@ class Totals:
 
 def prefix_cache_totals(totals: Totals) -> dict:
     """The job metadata's prefix cache figures: prompt tokens reused, and their share of all."""
-    return {
-        "cached_prompt_tokens": totals.cached_prompt_tokens,
-        "prefix_cache_hit_rate": round(totals.cached_prompt_tokens / totals.prompt_tokens, 4) if totals.prompt_tokens else 0.0,
-    }
+    rate = totals.cached_prompt_tokens / totals.prompt_tokens if totals.prompt_tokens else 0.0
+    return {"cached_prompt_tokens": totals.cached_prompt_tokens, "prefix_cache_hit_rate": round(rate, 4)}
 
 
 def read_row_keys(part: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -356,7 +355,7 @@ def read_row_keys(part: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     columns = [ROW_KEY, "finish_reason"] + (["sample_index"] if "sample_index" in names else [])
     table = pq.read_table(part, columns=columns)
     indices = table.column(ROW_KEY).to_numpy()
-    samples = (table.column("sample_index").fill_null(0).to_numpy() if "sample_index" in names
+    samples = (table.column("sample_index").fill_null(0).to_numpy().clip(0, MAX_N - 1) if "sample_index" in names
                else np.zeros(len(indices), dtype=np.int64))
     errors = pc.equal(table.column("finish_reason"), "error").fill_null(False).to_numpy(zero_copy_only=False)
     return indices, samples, errors
@@ -378,12 +377,12 @@ def merge_parts(workdir: Path, output: Path, layout: Layout, metadata, should_st
         if should_stop():
             raise KeyboardInterrupt
         indices, samples, _ = read_row_keys(part)
-        keys.append(np.stack([indices, samples], axis=1))
+        keys.append(indices.astype(np.int64) * MAX_N + samples)  # one int64 per (row, sample)
         sizes.append(len(indices))
-    every = np.concatenate(keys) if keys else np.zeros((0, 2), dtype=np.int64)
+    every = np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)
     first = np.zeros(len(every), dtype=bool)
-    first[np.unique(every, axis=0, return_index=True)[1]] = True
-    totals.requests = len(np.unique(every[first, 0]))
+    first[np.unique(every, return_index=True)[1]] = True
+    totals.requests = len(np.unique(every[first] // MAX_N))
     keep_masks: list[np.ndarray | None] = []
     for part, keep in zip(parts, np.split(first, np.cumsum(sizes)[:-1]) if parts else []):
         if should_stop():

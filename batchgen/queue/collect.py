@@ -1,9 +1,9 @@
 """`batchgen collect`: a job's result stream into the same Parquet file as `batchgen run` writes.
 
 Reads the result stream from its start (XREAD, no consumer group: collecting never changes what
-workers see, and can be repeated), keeps the first result of each row, and when every row of the job
-has one (a row of n samples: n, one per sample_index), writes the file through the Parquet sink (part files in a temporary directory beside OUTPUT,
-merged and renamed into place). A row can be answered twice (by a worker that wrote its result just
+workers see, and can be repeated), keeps the first result of each row (of each sample of a row of n
+samples), and when every row of the job has them, writes the file through the Parquet sink (part
+files in a temporary directory beside OUTPUT, merged and renamed into place). A row can be answered twice (by a worker that wrote its result just
 before a restart lost the acknowledgement); the second answer is counted and dropped.
 """
 
@@ -26,6 +26,7 @@ from batchgen.io.resume import JobError
 from batchgen.io.rows import ROW_KEY
 from batchgen.io.sinks import Layout, PartWriter, Totals, merge_parts, prefix_cache_totals
 from batchgen.queue.protocol import Backoff, Keys, is_retryable, text
+from batchgen.sampling_params import MAX_N
 from batchgen.version import __version__
 
 log = logging.getLogger("batchgen.collect")
@@ -122,11 +123,14 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
                             result.duplicates += 1
                             continue
                         samples = int(fields["samples"]) if (fields.get("samples") or "").isdigit() else 1
+                        sample = row.get("sample_index")
+                        if isinstance(sample, bool) or not isinstance(sample, int) or not 0 <= sample < MAX_N:
+                            sample = row["sample_index"] = 0  # (another producer's result)
                         got = partial.setdefault(index, set())
-                        if row.get("sample_index") in got:
+                        if sample in got:
                             result.duplicates += 1
                             continue
-                        got.add(row.get("sample_index"))
+                        got.add(sample)
                         if len(got) >= samples:  # the row is done once every sample's result is here
                             del partial[index]
                             done[index] = True
