@@ -142,6 +142,10 @@ def test_submit_worker_collect_gives_the_same_results_as_run(worker, server, job
     assert meta["workers"] == ["w"] and meta["rows"] == 8 and meta["rows_ok"] == 8
     assert meta["model"] == run_meta["model"] and meta["dtype"] == run_meta["dtype"] == "float32"
     assert meta["settings"]["temperature"] == 0 and meta["duplicates_dropped"] == 0
+    # the worker resolves its sampling defaults as run does: options, then the model's generation_config.json
+    assert meta["sampling_defaults"] == run_meta["sampling_defaults"] and meta["generation_config"] == "auto"
+    assert meta["sampling_defaults_from"]["temperature"] == "option"
+    assert meta["sampling_defaults_from"]["top_p"] == "generation_config"
     assert server.client().xlen(Keys("shared").results("j")) == 8  # one result each, none answered twice
     port = worker.wait_event("metrics")["port"]
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
