@@ -9,8 +9,8 @@ with transformers and saved as bf16 safetensors. Prints one JSON line per measur
 W-chat is a text job: chat `messages` through the tokenizer and chat template (SmolLM2's, from
 benchmarks/chat_tokenizer/, copied into the model's directory), against the same rows given as the
 token ids that template gives (`prompt_token_ids`), on the same engine, alternating, best of --repeats
-each. A CPU smoke check of the script: `--model smoke --workload W-chat --requests 16` (a few minutes'
-work shrunk to seconds; its figures mean nothing).
+each (user turns of 8-400 words: ~280 prompt tokens a row on average). A CPU smoke check of the script:
+`--model smoke --workload W-chat --requests 4 --repeats 1` (its figures mean nothing).
 
 GPU busy is the mean of NVML's utilization samples (the share of time a kernel was running) taken
 every 50 ms during batchgen's run.

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 import batchgen.llm
 from batchgen import LLM, SamplingParams
-from batchgen.engine.request import PreparedRequest, RequestError, RequestPreparer
+from batchgen.engine.request import RequestError, RequestPreparer
 from batchgen.engine.tokenizer_pool import OrderedWorker
 
 CHAT_TOKENIZER = Path(__file__).resolve().parents[2] / "benchmarks" / "chat_tokenizer"  # SmolLM2's
