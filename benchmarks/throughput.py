@@ -15,8 +15,8 @@ Each line reports start-up (weights, KV pool, kernel warm-up, graph captures) ap
 W-chat is a text job: chat `messages` through the tokenizer and chat template (SmolLM2's, from
 benchmarks/chat_tokenizer/, copied into the model's directory), against the same rows given as the
 token ids that template gives (`prompt_token_ids`), on the same engine, alternating, best of --repeats
-each. A CPU smoke check of the script: `--model smoke --workload W-chat --requests 16` (a few minutes'
-work shrunk to seconds; its figures mean nothing).
+each (user turns of 8-400 words: ~280 prompt tokens a row on average). A CPU smoke check of the script:
+`--model smoke --workload W-chat --requests 4 --repeats 1` (its figures mean nothing).
 
 GPU busy is the mean of NVML's utilization samples (the share of time a kernel was running) taken
 every 50 ms during batchgen's run.
@@ -348,7 +348,8 @@ def main(argv=None):
                                     args.tensor_parallel_size, args.repeats or 2, args.warm_up)
                 ours, by_ids = both["messages"], both["token_ids"]
                 line.update({"prompt_tokens": sum(len(r["prompt_token_ids"]) for r in ids),
-                             "token_ids_tok_s": round(by_ids["tok_s"], 1), "token_ids_wall_s": round(by_ids["wall_s"], 2),
+                             "token_ids_tok_s": round(by_ids["tok_s"], 1),
+                             "token_ids_wall_s": round(by_ids["wall_s"], 2),
                              "messages_vs_token_ids": round(ours["tok_s"] / by_ids["tok_s"], 3),
                              "runs_tok_s": {k: v["runs_tok_s"] for k, v in both.items()}})
                 requests = ids  # what HF generate() gets

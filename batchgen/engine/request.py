@@ -218,15 +218,6 @@ def build_sequence(prepared: PreparedRequest, eos_ids: list[int]) -> Sequence:
     return seq
 
 
-def make_sequence(row: dict, defaults: SamplingParams, job_seed: int, tokenizer, vocab_size: int,
-                  eos_ids: list[int], max_len: int) -> Sequence:
-    """Validate a request row and build its Sequence; raises RequestError with a one-line reason."""
-    prepared, = RequestPreparer(defaults, job_seed, tokenizer, vocab_size, max_len)([row])
-    if isinstance(prepared, RequestError):
-        raise prepared
-    return build_sequence(prepared, eos_ids)
-
-
 def make_samples(seq: Sequence, indices: list[int] | None = None) -> list[Sequence]:
     """The sequences of a request's n samples (seq: the request, as sample 0) -> those of `indices`
     (default: all n). Each sample has its own seed, derived from the request's and its index
