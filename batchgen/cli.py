@@ -276,14 +276,20 @@ def _served_models(names: Optional[List[str]], model: Optional[str]) -> list[str
     return [model or DEFAULT_MODEL_NAME]
 
 
+def _check_input_format(input: Path, input_format: InputFormat) -> None:
+    from batchgen.io.sources import JSONL_SUFFIXES
+
+    if input_format is InputFormat.openai and input.suffix.lower() not in JSONL_SUFFIXES:
+        raise typer.BadParameter("an OpenAI batch file is JSONL; name it *.jsonl", param_hint="'--input-format'")
+
+
 def _formats(input: Optional[Path], output: Path, input_format: InputFormat, output_format: OutputFormat,
              error_file: Optional[Path]) -> dict:
     """JobSpec's format fields, checked: auto resolved for the output (the input's needs the file)."""
     from batchgen.io.openai_output import is_openai_output
-    from batchgen.io.sources import JSONL_SUFFIXES
 
-    if input is not None and input_format is InputFormat.openai and input.suffix.lower() not in JSONL_SUFFIXES:
-        raise typer.BadParameter("an OpenAI batch file is JSONL; name it *.jsonl", param_hint="'--input-format'")
+    if input is not None:
+        _check_input_format(input, input_format)
     resolved = output_format.value
     if output_format is OutputFormat.auto:
         resolved = "openai" if is_openai_output(output) else "parquet"
@@ -447,6 +453,14 @@ def submit(
     input: Path = typer.Argument(..., help="Prompts: a .jsonl file (one JSON object a line) or a .parquet file.",
                                  show_default=False),
     job: str = typer.Option(..., "--job", **JOB_NAME),
+    input_format: InputFormat = typer.Option(InputFormat.auto, "--input-format", envvar=_env("INPUT_FORMAT"),
+                                             rich_help_panel=OPENAI,
+                                             help="openai: INPUT is an OpenAI batch file; auto: told by its first line."),
+    served_model_name: Optional[List[str]] = typer.Option(None, "--served-model-name",
+                                                          envvar=_env("SERVED_MODEL_NAME"), rich_help_panel=OPENAI,
+                                                          metavar="NAME",
+                                                          help="The model names OpenAI lines may give in body.model "
+                                                               "(repeat for several). Default: any."),
     options: dict = None,
 ) -> None:
     """Put every row of INPUT on the request stream as job NAME, for `batchgen worker`s to generate.
@@ -461,9 +475,11 @@ def submit(
     from batchgen.queue import SubmitError, redact, submit_job
 
     _check_input(input)
+    _check_input_format(input, input_format)
+    served = _served_models(served_model_name, None) if served_model_name else None
     keys, client = _queue(options, job)
     try:
-        result = submit_job(client, keys, job, input)
+        result = submit_job(client, keys, job, input, input_format=input_format.value, served_models=served)
     except (InputError, SubmitError) as e:
         raise _fail(str(e)) from None
     except redis.RedisError as e:
@@ -585,8 +601,8 @@ def worker(
 @app.command(no_args_is_help=True)
 @_with_options(QUEUE_OPTIONS)
 def collect(
-    output: Path = typer.Argument(..., help="Results: a Parquet file, written when every row has a result.",
-                                  show_default=False),
+    output: Path = typer.Argument(..., help="Results: a Parquet file (or, named *.jsonl, an OpenAI batch output "
+                                            "file), written when every row has a result.", show_default=False),
     job: str = typer.Option(..., "--job", **JOB_NAME),
     timeout: Optional[float] = typer.Option(None, "--timeout", envvar=_env("TIMEOUT"), rich_help_panel=QUEUE,
                                             min=0.0, show_default=False,
@@ -594,6 +610,12 @@ def collect(
                                                  "Default: wait as long as it takes."),
     delete: bool = typer.Option(False, "--delete", envvar=_env("DELETE"), rich_help_panel=QUEUE,
                                 help="Once OUTPUT is written, delete the job's keys from Redis."),
+    output_format: OutputFormat = typer.Option(OutputFormat.auto, "--output-format", envvar=_env("OUTPUT_FORMAT"),
+                                               rich_help_panel=OPENAI,
+                                               help="openai: the OpenAI batch output file (JSONL); "
+                                                    "auto: openai for an OUTPUT named *.jsonl, else parquet."),
+    error_file: Optional[Path] = typer.Option(None, "--error-file", envvar=_env("ERROR_FILE"), rich_help_panel=OPENAI,
+                                              help="OpenAI output: write failed lines here instead of into OUTPUT."),
     options: dict = None,
 ) -> None:
     """Wait until every row of job NAME has a result, then write them to OUTPUT: the same Parquet file
@@ -607,10 +629,12 @@ def collect(
     if output.is_dir():
         raise typer.BadParameter(f"{str(output)!r} is a directory; give a file name such as out.parquet",
                                  param_hint="'OUTPUT'")
+    formats = _formats(None, output, InputFormat.auto, output_format, error_file)
     stop_event = threading.Event()
     try:
         with _Signals(stop_event):
-            result = collect_job(client, keys, job, output, timeout, should_stop=stop_event.is_set, delete=delete)
+            result = collect_job(client, keys, job, output, timeout, should_stop=stop_event.is_set, delete=delete,
+                                 output_format=formats["output_format"], error_file=formats["error_file"])
     except CollectTimeout as e:
         raise _fail(str(e), EXIT_TIMEOUT) from None
     except JobError as e:

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import redis
 
+from batchgen.io.openai_output import write_openai_output
 from batchgen.io.resume import JobError
 from batchgen.io.rows import ROW_KEY
 from batchgen.io.sinks import Layout, PartWriter, Totals, merge_parts
@@ -50,7 +51,11 @@ class CollectResult:
 
 
 def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout_s: float | None = None,
-                should_stop: Callable[[], bool] = lambda: False, delete: bool = False) -> CollectResult:
+                should_stop: Callable[[], bool] = lambda: False, delete: bool = False,
+                output_format: str = "parquet", error_file: Path | None = None) -> CollectResult:
+    """`output_format` "openai" writes the OpenAI batch output file (failed lines to `error_file` if
+    given). Without a tokenizer here, OpenAI logprobs name a token by its engine-given text where the
+    engine gave one, else as `token_id:ID`."""
     started = time.monotonic()
     deadline = None if timeout_s is None else started + timeout_s
     backoff = Backoff()
@@ -154,7 +159,13 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
             result.metadata = meta
             return meta
 
-        result.totals = merge_parts(Path(tmp), output, layout, metadata, should_stop=should_stop)
+        if output_format == "openai":
+            served = _common(list(workers.values())).get("model") or "batchgen"
+            result.totals = write_openai_output(Path(tmp), output, metadata, served_model=str(served),
+                                                salt=f"{keys.prefix}\x00{job}\x00{info.get('created')}",
+                                                error_file=error_file, should_stop=should_stop)
+        else:
+            result.totals = merge_parts(Path(tmp), output, layout, metadata, should_stop=should_stop)
     if delete:
         call(client.delete, keys.job(job), keys.results(job), keys.workers(job))
     return result
