@@ -57,11 +57,11 @@ def _logprob(value: float | None) -> float:
     return max(float(value), MIN_LOGPROB)
 
 
-def _alternatives(value: Any) -> list[dict] | None:
-    """One token's top-k alternatives as the engine stored them: a list of {token_id, token, logprob}."""
-    if isinstance(value, str):
-        value = json.loads(value)
-    return list(value) if value is not None else None
+def _top_logprobs(sample: dict) -> list[list[dict]] | None:
+    """The row's top-k alternatives of each generated token, each a list of {token_id, token, logprob}
+    (stored as JSON text where a part had no Arrow type for them)."""
+    value = sample.get("top_logprobs")
+    return json.loads(value) if isinstance(value, str) else value
 
 
 class TokenNames:
@@ -92,10 +92,9 @@ def _chat_logprobs(sample: dict, names: TokenNames) -> dict | None:
     values = sample.get("logprobs")
     if values is None:
         return None
-    tops = sample.get("top_logprobs") or [None] * len(values)
+    tops = _top_logprobs(sample) or [None] * len(values)
     content = []
     for token_id, value, top in zip(sample["output_token_ids"], values, tops):
-        top = _alternatives(top)
         content.append({
             **_token_logprob(names(token_id, top), value),
             "top_logprobs": [_token_logprob(names.alternative(alt), alt.get("logprob")) for alt in top or ()],
@@ -107,8 +106,8 @@ def _completion_logprobs(sample: dict, names: TokenNames) -> dict | None:
     values = sample.get("logprobs")
     if values is None:
         return None
-    stored_tops = sample.get("top_logprobs")
-    tops = [_alternatives(t) for t in stored_tops] if stored_tops is not None else [None] * len(values)
+    stored_tops = _top_logprobs(sample)
+    tops = stored_tops if stored_tops is not None else [None] * len(values)
     tokens = [names(t, top) for t, top in zip(sample["output_token_ids"], tops)]
     offsets, at = [], 0
     for token in tokens:
