@@ -104,7 +104,9 @@ def test_logprobs_map_from_both_endpoints_shapes():
 def test_n_and_response_format_pass_through_where_the_engine_has_them():
     for line, field, value in [(chat(n=3), "n", 3), (completion(n=2, best_of=2), "n", 2),
                                (chat(response_format={"type": "json_object"}), "response_format",
-                                {"type": "json_object"})]:
+                                {"type": "json_object"}),
+                               (completion(structured_outputs={"regex": "[ab]+"}), "structured_outputs",
+                                {"regex": "[ab]+"})]:
         if field in KNOWN_FIELDS:
             assert request(line)[field] == value
         else:

@@ -8,8 +8,8 @@ response, and Parquet output shows both as columns.
 Body fields either map onto a row field, are accepted only at their default value (`stream: false`,
 `frequency_penalty: 0`, ...), are ignored (`user`, `metadata`, `store`), or are refused: an unknown
 field makes the line an error row naming it, so no setting is ever dropped silently. Fields whose
-engine feature this build lacks (`n` > 1, `top_logprobs`, `response_format`: they need the row field
-of that name in batchgen.schema.KNOWN_FIELDS) are refused the same way.
+engine feature this build lacks (`n`, `top_logprobs`, `response_format`, `structured_outputs`: they
+need the row field of that name in batchgen.schema.KNOWN_FIELDS) are refused the same way.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ MAX_TOP_LOGPROBS = 20
 PASSED_FIELDS = ("temperature", "top_p", "stop", "seed", "top_k", "min_tokens", "ignore_eos", "stop_token_ids")
 # Body fields read by the mapping itself, per endpoint.
 CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs",
-               "response_format")
-COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "n", "logprobs", "best_of", "response_format")
+               "response_format", "structured_outputs")
+COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "n", "logprobs", "best_of", "response_format",
+                     "structured_outputs")
 # Accepted only at their default value (None counts as default): what they would change, batchgen
 # does not do.
 DEFAULT_ONLY: dict[str, tuple] = {
@@ -205,12 +206,12 @@ class OpenAILineMapper:
         if max_tokens:
             row["max_tokens"] = next(iter(max_tokens.values()))
 
-        n = as_int("body.n", body["n"]) if body.get("n") is not None else 1
-        if url == COMPLETIONS_URL and body.get("best_of") is not None and as_int("body.best_of", body["best_of"]) != n:
+        n = as_int("body.n", body["n"]) if body.get("n") is not None else None
+        if url == COMPLETIONS_URL and body.get("best_of") is not None and as_int("body.best_of", body["best_of"]) != (n or 1):
             raise FieldError("body.best_of must equal n (batchgen returns every sample)")
-        if n < 1:
+        if n is not None and n < 1:
             raise FieldError(f"body.n must be >= 1, got {n}")
-        if n != 1:
+        if n is not None and (n != 1 or "n" in KNOWN_FIELDS):  # absent: the job's --n (1 unless set, as OpenAI's)
             _supported("n")
             row["n"] = n
 
@@ -221,6 +222,9 @@ class OpenAILineMapper:
                 raise FieldError(f"body.response_format must be an object, got {type_name(response_format)}")
             _supported("response_format")
             row["response_format"] = response_format
+        if body.get("structured_outputs") is not None:  # vLLM's: {"json" | "regex" | "choice" | "grammar": ...}
+            _supported("structured_outputs")
+            row["structured_outputs"] = body["structured_outputs"]
         return row
 
     def _model(self, model: Any) -> str | None:

@@ -275,13 +275,17 @@ def write_openai_output(
         if should_stop():
             raise KeyboardInterrupt
         names = set(pq.read_schema(part).names)
-        table = pq.read_table(part, columns=[ROW_KEY, *TOTALS_COLUMNS, *([SAMPLE_KEY] if SAMPLE_KEY in names else [])])
+        table = pq.read_table(part, columns=[c for c in (ROW_KEY, *TOTALS_COLUMNS, SAMPLE_KEY) if c in names])
+        for name in TOTALS_COLUMNS:  # a column that parts of an older version lack
+            if name not in names:
+                table = table.append_column(name, pa.nulls(table.num_rows, pa.int64()))
         lines = table.column(ROW_KEY).to_numpy()
         samples = (table.column(SAMPLE_KEY).fill_null(0).to_numpy() if SAMPLE_KEY in names
                    else np.zeros(len(lines), dtype=np.int64))
         keep = selection.add(number, lines, samples)
         keeps.append(keep)
         totals.add(table.filter(pa.array(keep)))
+    totals.requests = int((selection.last_part >= 0).sum())  # input lines answered (n samples: one line)
     meta = metadata(totals)
 
     created = int(time.time())
