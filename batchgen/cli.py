@@ -276,6 +276,19 @@ def _served_models(names: Optional[List[str]], model: Optional[str]) -> list[str
     return [model or DEFAULT_MODEL_NAME]
 
 
+def _token_text(model: str):
+    """A token id -> its text, by the tokenizer of `model` ("default": the embedded model's)."""
+    from transformers import AutoTokenizer
+
+    from batchgen.models.resolve import resolve_model_dir
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None if model == "default" else model))
+    except (OSError, ValueError) as e:  # FileNotFoundError included
+        raise typer.BadParameter(" ".join(str(e).split()), param_hint="'--tokenizer'") from None
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 def _check_input_format(input: Path, input_format: InputFormat) -> None:
     from batchgen.io.sources import JSONL_SUFFIXES
 
@@ -616,6 +629,11 @@ def collect(
                                                     "auto: openai for an OUTPUT named *.jsonl, else parquet."),
     error_file: Optional[Path] = typer.Option(None, "--error-file", envvar=_env("ERROR_FILE"), rich_help_panel=OPENAI,
                                               help="OpenAI output: write failed lines here instead of into OUTPUT."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", envvar=_env("TOKENIZER"), rich_help_panel=OPENAI,
+                                            metavar="MODEL",
+                                            help="OpenAI output: the model (as --model; 'default': the embedded "
+                                                 "one) whose tokenizer spells the tokens of logprobs. Default: "
+                                                 "the engine's text where it gave one, else token_id:ID."),
     options: dict = None,
 ) -> None:
     """Wait until every row of job NAME has a result, then write them to OUTPUT: the same Parquet file
@@ -630,11 +648,13 @@ def collect(
         raise typer.BadParameter(f"{str(output)!r} is a directory; give a file name such as out.parquet",
                                  param_hint="'OUTPUT'")
     formats = _formats(None, output, InputFormat.auto, output_format, error_file)
+    token_text = _token_text(tokenizer) if tokenizer is not None else None
     stop_event = threading.Event()
     try:
         with _Signals(stop_event):
             result = collect_job(client, keys, job, output, timeout, should_stop=stop_event.is_set, delete=delete,
-                                 output_format=formats["output_format"], error_file=formats["error_file"])
+                                 output_format=formats["output_format"], error_file=formats["error_file"],
+                                 token_text=token_text)
     except CollectTimeout as e:
         raise _fail(str(e), EXIT_TIMEOUT) from None
     except JobError as e:

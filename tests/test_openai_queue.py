@@ -65,3 +65,37 @@ def test_format_options_usage_errors_are_one_line(tmp_path, batchgen, monkeypatc
     parquet.write_bytes(b"PAR1")
     code, _, err = batchgen(*(a.format(src=src, parquet=parquet) for a in args))
     assert code == 2 and len(err.strip().splitlines()) == 1 and option in err, err
+
+
+@pytest.mark.slow  # loads the default model's tokenizer (converting the model once if needed)
+def test_collect_spells_logprob_tokens_with_the_tokenizer_it_is_given(tmp_path, redis_server, prefix, batchgen,
+                                                                      client):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    from batchgen.models.resolve import resolve_model_dir
+    from batchgen.queue.protocol import encode_result
+
+    keys = Keys(prefix)
+    src = write_jsonl(tmp_path / "batch.jsonl", [line("a", COMPLETIONS, prompt="Say hi", logprobs=0)])
+    submit_job(client, keys, "j", src)
+    (msg_id, fields), = client.xreadgroup("workers", "w", {keys.requests: ">"})[0][1]
+    request = json.loads(fields[b"request"])
+    ids = AutoTokenizer.from_pretrained(resolve_model_dir(None))(" Hello there").input_ids
+    answer = {"id": request["id"], "url": request["url"], "model": request["model"], "text": " Hello there",
+              "output_token_ids": ids, "logprobs": [-0.5] * len(ids), "finish_reason": "stop", "error": None,
+              "prompt_tokens": 2, "completion_tokens": len(ids), "cached_prompt_tokens": 0}
+    result = encode_result(msg_id.decode(), 0, "w", answer)
+    client.xadd(keys.results("j"), dict(zip(result[::2], result[1::2])))
+
+    out = tmp_path / "out.jsonl"
+    args = ["--redis-url", redis_server.url(), "--prefix", prefix, "--job", "j", "--timeout", "10"]
+    code, _, err = batchgen("collect", out, *args, "--tokenizer", "default")
+    assert code == 0, err
+    body = validate_line(json.loads(out.read_text()))
+    assert "".join(body.choices[0].logprobs.tokens) == " Hello there"
+    code, _, err = batchgen("collect", tmp_path / "out2.jsonl", *args)
+    assert code == 0, err
+    assert validate_line(json.loads((tmp_path / "out2.jsonl").read_text())).choices[0].logprobs.tokens == [
+        f"token_id:{t}" for t in ids]
+    code, _, err = batchgen("collect", tmp_path / "out3.jsonl", *args, "--tokenizer", str(tmp_path / "none"))
+    assert code == 2 and "--tokenizer" in err and len(err.strip().splitlines()) == 1, err

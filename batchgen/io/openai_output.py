@@ -291,7 +291,11 @@ def write_openai_output(
     created = int(time.time())
     token_names = TokenNames(token_text)
     tmp = workdir / "final.jsonl.tmp"
-    error_tmp = workdir / "errors.jsonl.tmp"
+    if error_file is not None:  # beside it: a rename does not cross file systems
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        error_tmp = error_file.with_name(error_file.name + ".tmp")
+    else:
+        error_tmp = workdir / "errors.jsonl.tmp"
     with _synced_writer(tmp) as out, _synced_writer(error_tmp) as errors:
         pending: dict[int, list[dict]] = {}
         for number, (part, keep) in enumerate(zip(parts, keeps)):

@@ -52,10 +52,11 @@ class CollectResult:
 
 def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout_s: float | None = None,
                 should_stop: Callable[[], bool] = lambda: False, delete: bool = False,
-                output_format: str = "parquet", error_file: Path | None = None) -> CollectResult:
+                output_format: str = "parquet", error_file: Path | None = None,
+                token_text: Callable[[int], str] | None = None) -> CollectResult:
     """`output_format` "openai" writes the OpenAI batch output file (failed lines to `error_file` if
-    given). Without a tokenizer here, OpenAI logprobs name a token by its engine-given text where the
-    engine gave one, else as `token_id:ID`."""
+    given). `token_text` spells a token of OpenAI logprobs; without it a token is named by the text
+    the engine gave for it, else as `token_id:ID`."""
     started = time.monotonic()
     deadline = None if timeout_s is None else started + timeout_s
     backoff = Backoff()
@@ -163,7 +164,8 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
             served = _common(list(workers.values())).get("model") or "batchgen"
             result.totals = write_openai_output(Path(tmp), output, metadata, served_model=str(served),
                                                 salt=f"{keys.prefix}\x00{job}\x00{info.get('created')}",
-                                                error_file=error_file, should_stop=should_stop)
+                                                token_text=token_text, error_file=error_file,
+                                                should_stop=should_stop)
         else:
             result.totals = merge_parts(Path(tmp), output, layout, metadata, should_stop=should_stop)
     if delete:
