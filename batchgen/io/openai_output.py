@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from batchgen.io.openai_input import COMPLETIONS_URL
 from batchgen.io.rows import ROW_KEY
-from batchgen.io.sinks import TOTALS_COLUMNS, Totals, list_parts, write_atomically
+from batchgen.io.sinks import TOTALS_COLUMNS, Totals, fsync_dir, list_parts, write_atomically
 
 SAMPLE_KEY = "sample_index"  # the n samples of one line (absent: one sample, index 0)
 ERROR_CODE = "invalid_request"
@@ -242,15 +242,7 @@ class _Selection:
         return keep
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _synced_writer(path: Path):
+def _text_file(path: Path):
     return open(path, "w", encoding="utf-8", newline="\n")
 
 
@@ -296,7 +288,7 @@ def write_openai_output(
         error_tmp = error_file.with_name(error_file.name + ".tmp")
     else:
         error_tmp = workdir / "errors.jsonl.tmp"
-    with _synced_writer(tmp) as out, _synced_writer(error_tmp) as errors:
+    with _text_file(tmp) as out, _text_file(error_tmp) as errors:
         pending: dict[int, list[dict]] = {}
         for number, (part, keep) in enumerate(zip(parts, keeps)):
             if should_stop():
@@ -316,12 +308,12 @@ def write_openai_output(
             os.fsync(f.fileno())
     if error_file is not None:
         os.replace(error_tmp, error_file)
-        _fsync_dir(error_file.parent)
+        fsync_dir(error_file.parent)
     else:
         error_tmp.unlink()
     stat = tmp.stat()
     sidecar = {"batchgen": meta, "output": {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}}
     write_atomically(sidecar_path(output), lambda f: f.write(json.dumps(sidecar, indent=1).encode()))
     os.replace(tmp, output)
-    _fsync_dir(output.parent)
+    fsync_dir(output.parent)
     return totals
