@@ -99,3 +99,27 @@ def test_collect_spells_logprob_tokens_with_the_tokenizer_it_is_given(tmp_path, 
         f"token_id:{t}" for t in ids]
     code, _, err = batchgen("collect", tmp_path / "out3.jsonl", *args, "--tokenizer", str(tmp_path / "none"))
     assert code == 2 and "--tokenizer" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_native_input_to_the_openai_output_on_a_tiny_model(tmp_path, batchgen, tiny_model):
+    """Rows of batchgen's own format answered as OpenAI lines: prompt rows as text_completion, the
+    model named by --model (the default served name), tokens spelled by the model's tokenizer."""
+    model = tiny_model("llama")
+    src = write_jsonl(tmp_path / "rows.jsonl", [
+        {"id": 1, "prompt": "the quick brown", "max_tokens": 3},
+        {"id": "x", "prompt_token_ids": [5, 6, 7], "max_tokens": 4, "logprobs": True, "ignore_eos": True},
+        {"id": "m", "messages": [{"role": "user", "content": "hi"}]},  # the tiny tokenizer has no chat template
+    ])
+    out = tmp_path / "out.txt"
+    code, stdout, err = batchgen("run", src, out, "--model", model, "--output-format", "openai",
+                                 "--temperature", "0", "--device", "cpu")
+    assert code == 0, err
+    lines = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    assert set(lines) == {"1", "x", "m"} and "2 ok, 1 errors" in stdout
+    bodies = {k: validate_line(v) for k, v in lines.items()}
+    assert bodies["m"] is None and "chat template" in lines["m"]["error"]["message"]
+    assert bodies["1"].object == "text_completion" and bodies["1"].model == str(model)
+    logprobs = bodies["x"].choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert "".join(logprobs.tokens).startswith(bodies["x"].choices[0].text)  # ASCII tokens: their texts join up
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(4)]
