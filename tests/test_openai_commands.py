@@ -1,5 +1,6 @@
-"""OpenAI batch files through the Redis queue: submit reads them, collect writes the OpenAI output file
-(a real redis-server, the queue tests' stand-in engine: fast, no model). Usage errors of the options."""
+"""OpenAI batch files through the commands, in this process: submit reads them and collect writes the
+OpenAI output (a real redis-server, the queue tests' stand-in engine), run from a native input to the
+OpenAI output (a tiny model), usage errors of the format options."""
 
 from __future__ import annotations
 
