@@ -134,3 +134,14 @@ def test_the_sidecar_holds_the_metadata_and_counts_only_for_the_file_it_was_writ
     assert stored_metadata(output) is None and stored_fingerprint(output) is None
     sidecar_path(output).write_text("{not json")
     assert stored_metadata(output) is None
+
+
+def test_a_token_the_tokenizer_cannot_spell_is_named_by_its_id(tmp_path):
+    def token_text(token_id):
+        if token_id > 100:
+            raise IndexError("out of the vocabulary")
+        return "ok"
+
+    output, _ = write(tmp_path, [result(0, "a", COMPLETIONS_URL, "ok", [7, 500], logprobs=[-1.0, -2.0])],
+                      token_text=token_text)
+    assert validate_line(read_lines(output)[0]).choices[0].logprobs.tokens == ["ok", "token_id:500"]

@@ -76,7 +76,10 @@ class TokenNames:
             if alt.get("token_id") == token_id and isinstance(alt.get("token"), str):
                 return alt["token"]
         if self.token_text is not None:
-            return self.token_text(token_id)
+            try:
+                return self.token_text(token_id)
+            except (ValueError, TypeError, IndexError, KeyError, OverflowError):
+                pass  # an id the tokenizer does not know (a model whose vocabulary is larger)
         return f"token_id:{token_id}"
 
     def alternative(self, alt: dict) -> str:
