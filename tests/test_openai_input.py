@@ -77,10 +77,11 @@ def test_the_model_defaults_to_the_first_served_name_and_any_model_passes_when_n
     assert "model" not in {k for k, v in request(chat(), served=None).items() if v is not None}
 
 
-def test_text_content_parts_are_joined_and_other_parts_refused():
+def test_text_content_parts_are_joined_other_parts_refused_and_developer_is_system():
     parts = [{"type": "text", "text": "Line one"}, {"type": "text", "text": "line two"}]
-    row = request(chat(messages=[{"role": "user", "content": parts}]))
-    assert row["messages"] == [{"role": "user", "content": "Line one\nline two"}]
+    row = request(chat(messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}]))
+    assert row["messages"] == [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "Line one\nline two"}]
     image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
     assert "body.messages[0].content[0] is not a text part (type 'image_url')" in error(
         chat(messages=[{"role": "user", "content": image}]))

@@ -125,12 +125,18 @@ def _text_of(content: Any, where: str) -> Any:
 
 
 def _messages(value: Any) -> Any:
+    """OpenAI's messages as a chat template takes them: content as text, and the `developer` role
+    (OpenAI's newer name for the system prompt) as `system`, which chat templates know."""
     if not isinstance(value, list):
         return value  # the native check names the type
-    return [
-        {**m, "content": _text_of(m.get("content"), f"body.messages[{i}]")} if isinstance(m, dict) else m
-        for i, m in enumerate(value)
-    ]
+    messages = []
+    for i, m in enumerate(value):
+        if isinstance(m, dict):
+            m = {**m, "content": _text_of(m.get("content"), f"body.messages[{i}]")}
+            if m.get("role") == "developer":
+                m["role"] = "system"
+        messages.append(m)
+    return messages
 
 
 def _completion_prompt(value: Any) -> dict:
