@@ -74,6 +74,18 @@ class Dtype(str, Enum):
     float32 = "float32"
 
 
+class InputFormat(str, Enum):
+    auto = "auto"
+    openai = "openai"
+    batchgen = "batchgen"
+
+
+class OutputFormat(str, Enum):
+    auto = "auto"
+    parquet = "parquet"
+    openai = "openai"
+
+
 class Device(str, Enum):
     auto = "auto"
     cuda = "cuda"
@@ -92,6 +104,7 @@ def _env(name: str) -> str:
 ENGINE = "Engine"
 SAMPLING = "Sampling defaults (per-row columns override them)"
 JOB = "Job"
+OPENAI = "OpenAI Batch API files"
 QUEUE = "Queue"
 
 
@@ -312,13 +325,64 @@ def _check_input(input: Path) -> None:
         raise typer.BadParameter(f"{str(input)!r}: name it *.jsonl or *.parquet", param_hint="'INPUT'")
 
 
+def _served_models(names: Optional[List[str]], model: Optional[str]) -> list[str]:
+    if names:
+        if any(not n for n in names):
+            raise typer.BadParameter("a model name cannot be empty", param_hint="'--served-model-name'")
+        return list(names)
+    from batchgen.models.default_model import DEFAULT_MODEL_NAME
+
+    return [model or DEFAULT_MODEL_NAME]
+
+
+def _token_text(model: str):
+    """A token id -> its text, by the tokenizer of `model` ("default": the embedded model's)."""
+    from transformers import AutoTokenizer
+
+    from batchgen.models.resolve import resolve_model_dir
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None if model == "default" else model))
+    except (OSError, ValueError) as e:  # FileNotFoundError included
+        raise typer.BadParameter(" ".join(str(e).split()), param_hint="'--tokenizer'") from None
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _check_input_format(input: Path, input_format: InputFormat) -> None:
+    from batchgen.io.sources import JSONL_SUFFIXES
+
+    if input_format is InputFormat.openai and input.suffix.lower() not in JSONL_SUFFIXES:
+        raise typer.BadParameter("an OpenAI batch file is JSONL; name it *.jsonl", param_hint="'--input-format'")
+
+
+def _formats(input: Optional[Path], output: Path, input_format: InputFormat, output_format: OutputFormat,
+             error_file: Optional[Path]) -> dict:
+    """JobSpec's format fields, checked: auto resolved for the output (the input's needs the file)."""
+    from batchgen.io.openai_output import is_openai_output
+
+    if input is not None:
+        _check_input_format(input, input_format)
+    resolved = output_format.value
+    if output_format is OutputFormat.auto:
+        resolved = "openai" if is_openai_output(output) else "parquet"
+    if error_file is not None:
+        if resolved != "openai":
+            raise typer.BadParameter("needs the OpenAI output format (--output-format openai or an OUTPUT named "
+                                     "*.jsonl)", param_hint="'--error-file'")
+        if error_file.resolve() in {output.resolve(), *([input.resolve()] if input is not None else [])}:
+            raise typer.BadParameter("must differ from INPUT and OUTPUT", param_hint="'--error-file'")
+        if error_file.is_dir():
+            raise typer.BadParameter(f"{str(error_file)!r} is a directory", param_hint="'--error-file'")
+    return {"input_format": input_format.value, "output_format": resolved, "error_file": error_file}
+
+
 @app.command(no_args_is_help=True)
 @_with_options(ENGINE_OPTIONS, SAMPLING_OPTIONS)
 def run(
     input: Path = typer.Argument(..., help="Prompts: a .jsonl file (one JSON object a line) or a .parquet file.",
                                  show_default=False),
-    output: Path = typer.Argument(..., help="Results: a Parquet file, written when the job completes.",
-                                  show_default=False),
+    output: Path = typer.Argument(..., help="Results: a Parquet file (or, named *.jsonl, an OpenAI batch output "
+                                            "file), written when the job completes.", show_default=False),
     shard: Optional[str] = typer.Option(None, "--shard", envvar=_env("SHARD"), rich_help_panel=JOB, metavar="I/N",
                                         help="Generate only rows whose index % N == I (0 <= I < N)."),
     resume: bool = typer.Option(True, "--resume/--no-resume", envvar=_env("RESUME"), rich_help_panel=JOB,
@@ -332,6 +396,22 @@ def run(
                                         min=0.0, help="... or every this many seconds."),
     log_every: float = typer.Option(10.0, "--log-every", envvar=_env("LOG_EVERY"), rich_help_panel=JOB, min=0.0,
                                     help="Seconds between progress lines when stdout is not a terminal."),
+    input_format: InputFormat = typer.Option(InputFormat.auto, "--input-format", envvar=_env("INPUT_FORMAT"),
+                                             rich_help_panel=OPENAI,
+                                             help="openai: INPUT is an OpenAI batch file ({custom_id, method, url, "
+                                                  "body} lines); auto: told by its first line."),
+    output_format: OutputFormat = typer.Option(OutputFormat.auto, "--output-format", envvar=_env("OUTPUT_FORMAT"),
+                                               rich_help_panel=OPENAI,
+                                               help="openai: the OpenAI batch output file (JSONL); "
+                                                    "auto: openai for an OUTPUT named *.jsonl, else parquet."),
+    served_model_name: Optional[List[str]] = typer.Option(None, "--served-model-name",
+                                                          envvar=_env("SERVED_MODEL_NAME"), rich_help_panel=OPENAI,
+                                                          metavar="NAME",
+                                                          help="The model name OpenAI lines may give in body.model "
+                                                               "(repeat for several; the first is reported). "
+                                                               "Default: --model, or the default model's name."),
+    error_file: Optional[Path] = typer.Option(None, "--error-file", envvar=_env("ERROR_FILE"), rich_help_panel=OPENAI,
+                                              help="OpenAI output: write failed lines here instead of into OUTPUT."),
     options: dict = None,
 ) -> None:
     """Generate a completion for every row of INPUT and write them, with per-request metrics, to OUTPUT.
@@ -350,12 +430,14 @@ def run(
     _check_input(input)
     if output.resolve() == input.resolve():
         raise typer.BadParameter("OUTPUT would overwrite INPUT", param_hint="'OUTPUT'")
+    formats = _formats(input, output, input_format, output_format, error_file)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
                         stream=sys.stderr)  # before the setup, which may convert the default model (logged)
     setup = _engine_setup(options)
     spec = JobSpec(input=input, output=output, settings=setup.settings, shard=job_shard, resume=resume,
-                   flush_rows=flush_rows, flush_seconds=flush_seconds, described=setup.described)
+                   flush_rows=flush_rows, flush_seconds=flush_seconds, described=setup.described,
+                   served_models=_served_models(served_model_name, options["model"]), **formats)
 
     console = Console(highlight=False, soft_wrap=True, markup=False)
     from batchgen.progress import make_progress, summary_lines
@@ -443,6 +525,14 @@ def submit(
     input: Path = typer.Argument(..., help="Prompts: a .jsonl file (one JSON object a line) or a .parquet file.",
                                  show_default=False),
     job: str = typer.Option(..., "--job", **JOB_NAME),
+    input_format: InputFormat = typer.Option(InputFormat.auto, "--input-format", envvar=_env("INPUT_FORMAT"),
+                                             rich_help_panel=OPENAI,
+                                             help="openai: INPUT is an OpenAI batch file; auto: told by its first line."),
+    served_model_name: Optional[List[str]] = typer.Option(None, "--served-model-name",
+                                                          envvar=_env("SERVED_MODEL_NAME"), rich_help_panel=OPENAI,
+                                                          metavar="NAME",
+                                                          help="The model names OpenAI lines may give in body.model "
+                                                               "(repeat for several). Default: any."),
     options: dict = None,
 ) -> None:
     """Put every row of INPUT on the request stream as job NAME, for `batchgen worker`s to generate.
@@ -457,9 +547,11 @@ def submit(
     from batchgen.queue import SubmitError, redact, submit_job
 
     _check_input(input)
+    _check_input_format(input, input_format)
+    served = _served_models(served_model_name, None) if served_model_name else None
     keys, client = _queue(options, job)
     try:
-        result = submit_job(client, keys, job, input)
+        result = submit_job(client, keys, job, input, input_format=input_format.value, served_models=served)
     except (InputError, SubmitError) as e:
         raise _fail(str(e)) from None
     except redis.RedisError as e:
@@ -581,8 +673,8 @@ def worker(
 @app.command(no_args_is_help=True)
 @_with_options(QUEUE_OPTIONS)
 def collect(
-    output: Path = typer.Argument(..., help="Results: a Parquet file, written when every row has a result.",
-                                  show_default=False),
+    output: Path = typer.Argument(..., help="Results: a Parquet file (or, named *.jsonl, an OpenAI batch output "
+                                            "file), written when every row has a result.", show_default=False),
     job: str = typer.Option(..., "--job", **JOB_NAME),
     timeout: Optional[float] = typer.Option(None, "--timeout", envvar=_env("TIMEOUT"), rich_help_panel=QUEUE,
                                             min=0.0, show_default=False,
@@ -590,6 +682,17 @@ def collect(
                                                  "Default: wait as long as it takes."),
     delete: bool = typer.Option(False, "--delete", envvar=_env("DELETE"), rich_help_panel=QUEUE,
                                 help="Once OUTPUT is written, delete the job's keys from Redis."),
+    output_format: OutputFormat = typer.Option(OutputFormat.auto, "--output-format", envvar=_env("OUTPUT_FORMAT"),
+                                               rich_help_panel=OPENAI,
+                                               help="openai: the OpenAI batch output file (JSONL); "
+                                                    "auto: openai for an OUTPUT named *.jsonl, else parquet."),
+    error_file: Optional[Path] = typer.Option(None, "--error-file", envvar=_env("ERROR_FILE"), rich_help_panel=OPENAI,
+                                              help="OpenAI output: write failed lines here instead of into OUTPUT."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", envvar=_env("TOKENIZER"), rich_help_panel=OPENAI,
+                                            metavar="MODEL",
+                                            help="OpenAI output: the model (as --model; 'default': the embedded "
+                                                 "one) whose tokenizer spells the tokens of logprobs. Default: "
+                                                 "the engine's text where it gave one, else token_id:ID."),
     options: dict = None,
 ) -> None:
     """Wait until every row of job NAME has a result, then write them to OUTPUT: the same Parquet file
@@ -603,10 +706,14 @@ def collect(
     if output.is_dir():
         raise typer.BadParameter(f"{str(output)!r} is a directory; give a file name such as out.parquet",
                                  param_hint="'OUTPUT'")
+    formats = _formats(None, output, InputFormat.auto, output_format, error_file)
+    token_text = _token_text(tokenizer) if tokenizer is not None else None
     stop_event = threading.Event()
     try:
         with _Signals(stop_event):
-            result = collect_job(client, keys, job, output, timeout, should_stop=stop_event.is_set, delete=delete)
+            result = collect_job(client, keys, job, output, timeout, should_stop=stop_event.is_set, delete=delete,
+                                 output_format=formats["output_format"], error_file=formats["error_file"],
+                                 token_text=token_text)
     except CollectTimeout as e:
         raise _fail(str(e), EXIT_TIMEOUT) from None
     except JobError as e:

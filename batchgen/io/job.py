@@ -16,13 +16,15 @@ from typing import Any, Callable, Protocol
 
 import pyarrow.parquet as pq
 
+from batchgen.io import openai_output
+from batchgen.io.openai_input import CHAT_URL, COMPLETIONS_URL, make_checker, resolve_input_format
 from batchgen.io.resume import JobError, WorkDir, output_fingerprint
-from batchgen.io.rows import RESERVED, ROW_KEY, RowChecker
+from batchgen.io.rows import RESERVED, ROW_KEY
 from batchgen.io.shard import Shard
 from batchgen.io.sinks import Layout, PartWriter, Totals, list_parts, merge_parts, prefix_cache_totals
+from batchgen.io.sources import InputError, open_source
 from batchgen.sampling_params import MAX_N
 from batchgen.schema import SAMPLES_KEY
-from batchgen.io.sources import open_source
 
 
 class Progress(Protocol):
@@ -52,6 +54,14 @@ class JobSpec:
     flush_rows: int = 1000
     flush_seconds: float = 5.0
     described: dict = field(default_factory=dict)  # more keys for the output's metadata (not fingerprinted)
+    input_format: str = "auto"  # "auto" | "openai" | "batchgen"
+    output_format: str = "parquet"  # "parquet" | "openai"
+    served_models: list[str] | None = None  # OpenAI input: the body.model names accepted (first: recorded)
+    error_file: Path | None = None  # OpenAI output: failed lines go here instead of OUTPUT
+
+    @property
+    def openai_output(self) -> bool:
+        return self.output_format == "openai"
 
 
 @dataclass
@@ -64,10 +74,19 @@ class JobResult:
     metadata: dict[str, Any] = field(default_factory=dict)  # the final file's `batchgen` metadata
 
 
-def fingerprint_of(spec: JobSpec) -> dict:
+def fingerprint_of(spec: JobSpec, input_format: str) -> dict:
     stat = spec.input.stat()
+    formats = {}  # only where they are not the native ones: a native job's fingerprint stays as it was
+    if input_format == "openai":
+        formats.update(input_format=input_format)
+    if spec.openai_output:
+        formats.update(output_format=spec.output_format,
+                       error_file=str(spec.error_file) if spec.error_file is not None else None)
+    if formats:  # the model name that lines must give, and that responses carry
+        formats.update(served_models=spec.served_models)
     return {
         **spec.settings,
+        **formats,
         "shard": str(spec.shard),
         "input": {"name": spec.input.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns},
     }
@@ -91,6 +110,10 @@ def run_job(
     started = time.monotonic() if started is None else started
     progress = progress or NoProgress()
     source = open_source(spec.input)
+    try:
+        input_format = resolve_input_format(spec.input, spec.input_format)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     layout = Layout(source.schema)
     clash = [n for n in layout.carried if n in RESERVED]
     if clash:
@@ -99,25 +122,29 @@ def run_job(
     if output.is_dir():
         raise JobError(f"OUTPUT {str(output)!r} is a directory; give a file name such as out.parquet")
     output.parent.mkdir(parents=True, exist_ok=True)
-    fingerprint = fingerprint_of(spec)
+    fingerprint = fingerprint_of(spec, input_format)
+    finished_fingerprint = openai_output.stored_fingerprint if spec.openai_output else output_fingerprint
+    stored_metadata = openai_output.stored_metadata if spec.openai_output else _stored_metadata
     workdir = WorkDir(output)
-    if spec.resume and not workdir.path.exists() and output_fingerprint(output) == fingerprint:
-        return JobResult("already_complete", metadata=_stored_metadata(output))
+    if spec.resume and not workdir.path.exists() and finished_fingerprint(output) == fingerprint:
+        return JobResult("already_complete", metadata=stored_metadata(output))
 
     workdir.open(fingerprint, spec.resume)
     finished_job = False
     try:
-        if spec.resume and output_fingerprint(output) == fingerprint:
+        if spec.resume and finished_fingerprint(output) == fingerprint:
             # A run was stopped between renaming OUTPUT into place and removing its work directory.
             finished_job = True
-            return JobResult("already_complete", metadata=_stored_metadata(output))
+            return JobResult("already_complete", metadata=stored_metadata(output))
         done = workdir.done_rows()
         rows_total = source.count_rows_where(lambda i: i in spec.shard)
         rows_resumed = done.num_rows
         llm = make_llm()
         progress.start(rows_total, rows_resumed)
         sink = PartWriter(workdir.path, layout, spec.flush_rows, spec.flush_seconds)
-        checker = RowChecker()
+        checker = make_checker(input_format, spec.served_models)
+        # a native row going to an OpenAI output: chat rows answer as chat.completion, the rest as text_completion
+        native_to_openai = spec.openai_output and input_format != "openai"
 
         samples_left: dict[int, int] = {}  # rows of several samples in the engine -> samples not finished
 
@@ -148,6 +175,8 @@ def run_job(
                     request[SAMPLES_KEY] = missing
                 if len(missing) > 1:
                     samples_left[row.index] = len(missing)
+                if native_to_openai:
+                    request.setdefault("url", CHAT_URL if "messages" in request else COMPLETIONS_URL)
                 yield request
 
         on_generation(True)
@@ -199,7 +228,14 @@ def run_job(
             return meta
 
         result = JobResult("complete", rows_total, rows_resumed, rows_this_run)
-        result.totals = merge_parts(workdir.path, output, layout, metadata, should_stop=stop_event.is_set)
+        if spec.openai_output:
+            result.totals = openai_output.write_openai_output(
+                workdir.path, output, metadata, served_model=_served_model(spec),
+                salt=json.dumps(fingerprint, sort_keys=True), token_text=_token_text(llm),
+                error_file=spec.error_file, should_stop=stop_event.is_set,
+            )
+        else:
+            result.totals = merge_parts(workdir.path, output, layout, metadata, should_stop=stop_event.is_set)
         finished_job = True
         return result
     finally:
@@ -216,6 +252,19 @@ def _output_row(result: dict) -> dict:
     else:
         row["output_token_ids"] = [int(t) for t in row["output_token_ids"]]
     return row
+
+
+def _served_model(spec: JobSpec) -> str:
+    """The `model` of the responses of rows that record none (native input)."""
+    return spec.served_models[0] if spec.served_models else str(spec.settings.get("model") or "batchgen")
+
+
+def _token_text(llm) -> Callable[[int], str] | None:
+    """A token's own text, for the `token` of OpenAI logprobs (special tokens spelled out)."""
+    tokenizer = getattr(llm, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _stored_metadata(output: Path) -> dict:

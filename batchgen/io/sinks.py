@@ -239,7 +239,7 @@ def list_parts(workdir: Path) -> list[Path]:
     return sorted(parts, key=part_number)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -255,7 +255,7 @@ def write_atomically(path: Path, write) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 class PartWriter:
@@ -415,5 +415,5 @@ def merge_parts(workdir: Path, output: Path, layout: Layout, metadata, should_st
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, output)
-    _fsync_dir(output.parent)
+    fsync_dir(output.parent)
     return totals

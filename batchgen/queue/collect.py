@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import redis
 
+from batchgen.io.openai_output import write_openai_output
 from batchgen.io.resume import JobError
 from batchgen.io.rows import ROW_KEY
 from batchgen.io.sinks import Layout, PartWriter, Totals, merge_parts, prefix_cache_totals
@@ -51,7 +52,12 @@ class CollectResult:
 
 
 def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout_s: float | None = None,
-                should_stop: Callable[[], bool] = lambda: False, delete: bool = False) -> CollectResult:
+                should_stop: Callable[[], bool] = lambda: False, delete: bool = False,
+                output_format: str = "parquet", error_file: Path | None = None,
+                token_text: Callable[[int], str] | None = None) -> CollectResult:
+    """`output_format` "openai" writes the OpenAI batch output file (failed lines to `error_file` if
+    given). `token_text` spells a token of OpenAI logprobs; without it a token is named by the text
+    the engine gave for it, else as `token_id:ID`."""
     started = time.monotonic()
     deadline = None if timeout_s is None else started + timeout_s
     backoff = Backoff()
@@ -167,7 +173,14 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
             result.metadata = meta
             return meta
 
-        result.totals = merge_parts(Path(tmp), output, layout, metadata, should_stop=should_stop)
+        if output_format == "openai":
+            served = _common(list(workers.values())).get("model") or "batchgen"
+            result.totals = write_openai_output(Path(tmp), output, metadata, served_model=str(served),
+                                                salt=f"{keys.prefix}\x00{job}\x00{info.get('created')}",
+                                                token_text=token_text, error_file=error_file,
+                                                should_stop=should_stop)
+        else:
+            result.totals = merge_parts(Path(tmp), output, layout, metadata, should_stop=should_stop)
     if delete:
         call(client.delete, keys.job(job), keys.results(job), keys.workers(job))
     return result

@@ -17,9 +17,10 @@ from pathlib import Path
 import pyarrow as pa
 import redis
 
-from batchgen.io.rows import RESERVED, ROW_KEY, RowChecker
+from batchgen.io.openai_input import make_checker, resolve_input_format
+from batchgen.io.rows import RESERVED, ROW_KEY
 from batchgen.io.sinks import Layout
-from batchgen.io.sources import open_source
+from batchgen.io.sources import InputError, open_source
 from batchgen.queue.protocol import Keys, encode_request, encode_result, ensure_group, text, to_json
 
 SUBMITTER = "submit"  # the `worker` field of the error results that submit writes itself
@@ -43,8 +44,15 @@ def fingerprint_of(path: Path) -> str:
     return to_json({"name": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
 
 
-def submit_job(client: redis.Redis, keys: Keys, job: str, path: Path, batch_rows: int = 500) -> SubmitResult:
+def submit_job(client: redis.Redis, keys: Keys, job: str, path: Path, batch_rows: int = 500,
+               input_format: str = "auto", served_models: list[str] | None = None) -> SubmitResult:
+    """`input_format` as `run`'s; `served_models`: the body.model names an OpenAI line may give (None:
+    any, as the workers' model is not known here)."""
     source = open_source(path)
+    try:
+        input_format = resolve_input_format(path, input_format)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     layout = Layout(source.schema)
     clash = [n for n in layout.carried if n in RESERVED]
     if clash:
@@ -61,7 +69,7 @@ def submit_job(client: redis.Redis, keys: Keys, job: str, path: Path, batch_rows
     if submitted >= rows:
         return result
 
-    checker = RowChecker()
+    checker = make_checker(input_format, served_models)
     batch: list[tuple[str, dict | list]] = []
     start = position = submitted
     for position, row in enumerate(source):

@@ -1,0 +1,322 @@
+"""OpenAI Batch API output files, written from a completed job's part files.
+
+The part files in the work directory stay the storage that resume goes by; when every row is done
+they are streamed into one JSONL file of OpenAI batch output lines, written under a temporary name
+and renamed to OUTPUT. One line per input line:
+
+    {"id": "batch_req_...", "custom_id": ..., "response": {"status_code": 200, "request_id": "req_...",
+     "body": <a chat.completion or text_completion object>}, "error": null}
+
+A row that failed gets `"response": null, "error": {"code": "invalid_request", "message": ...}`, in
+the same file (as vLLM's run-batch does) or, given `error_file`, in that file instead (as OpenAI does).
+
+Rows of one input line may be several (n samples, `sample_index` 0..n-1), saved in any order and in
+different parts: the first pass over the parts finds the last part that holds a sample of each
+line, the second writes a line as soon as that part is read, so only lines whose samples straddle
+parts wait in memory.
+
+A JSONL file has no place for metadata, so the job's metadata (the `batchgen` key of a Parquet
+output) goes to a sidecar, OUTPUT.batchgen.json, written just before the rename, with OUTPUT's size
+and mtime: a sidecar that does not match OUTPUT (a crash between the two) counts as absent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.io.openai_input import COMPLETIONS_URL
+from batchgen.io.rows import ROW_KEY
+from batchgen.io.sinks import TOTALS_COLUMNS, Totals, fsync_dir, list_parts, write_atomically
+
+SAMPLE_KEY = "sample_index"  # the n samples of one line (absent: one sample, index 0)
+ERROR_CODE = "invalid_request"
+MIN_LOGPROB = -9999.0  # OpenAI's stand-in for a token too unlikely to have a finite log-probability
+OUTPUT_COLUMNS = ("id", "text", "output_token_ids", "finish_reason", "error", "prompt_tokens", "completion_tokens",
+                  "cached_prompt_tokens", "logprobs", "top_logprobs", "url", "model", SAMPLE_KEY, ROW_KEY)
+OPENAI_SUFFIXES = (".jsonl", ".ndjson")
+
+TokenText = Callable[[int], str]
+
+
+# --- response objects ---------------------------------------------------------------------------
+
+
+def _logprob(value: float | None) -> float:
+    if value is None or math.isnan(value):
+        return MIN_LOGPROB
+    return max(float(value), MIN_LOGPROB)
+
+
+def _top_logprobs(sample: dict) -> list[list[dict]] | None:
+    """The row's top-k alternatives of each generated token, each a list of {token_id, token, logprob}
+    (stored as JSON text where a part had no Arrow type for them)."""
+    value = sample.get("top_logprobs")
+    return json.loads(value) if isinstance(value, str) else value
+
+
+class TokenNames:
+    """Token id -> its text: the engine's own (an alternative's `token`), else the tokenizer's, else
+    `token_id:ID` (vLLM's spelling when no text is known)."""
+
+    def __init__(self, token_text: TokenText | None) -> None:
+        self.token_text = token_text
+
+    def __call__(self, token_id: int, alternatives: list[dict] | None = None) -> str:
+        for alt in alternatives or ():
+            if alt.get("token_id") == token_id and isinstance(alt.get("token"), str):
+                return alt["token"]
+        if self.token_text is not None:
+            try:
+                return self.token_text(token_id)
+            except (ValueError, TypeError, IndexError, KeyError, OverflowError):
+                pass  # an id the tokenizer does not know (a model whose vocabulary is larger)
+        return f"token_id:{token_id}"
+
+    def alternative(self, alt: dict) -> str:
+        token = alt.get("token")
+        return token if isinstance(token, str) else self(int(alt["token_id"]))
+
+
+def _token_logprob(token: str, value: float | None) -> dict:
+    return {"token": token, "bytes": list(token.encode("utf-8")), "logprob": _logprob(value)}
+
+
+def _chat_logprobs(sample: dict, names: TokenNames) -> dict | None:
+    values = sample.get("logprobs")
+    if values is None:
+        return None
+    tops = _top_logprobs(sample) or [None] * len(values)
+    content = []
+    for token_id, value, top in zip(sample["output_token_ids"], values, tops):
+        content.append({
+            **_token_logprob(names(token_id, top), value),
+            "top_logprobs": [_token_logprob(names.alternative(alt), alt.get("logprob")) for alt in top or ()],
+        })
+    return {"content": content}
+
+
+def _completion_logprobs(sample: dict, names: TokenNames) -> dict | None:
+    values = sample.get("logprobs")
+    if values is None:
+        return None
+    stored_tops = _top_logprobs(sample)
+    tops = stored_tops if stored_tops is not None else [None] * len(values)
+    tokens = [names(t, top) for t, top in zip(sample["output_token_ids"], tops)]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(v) for v in values],
+        "top_logprobs": None if stored_tops is None else [
+            {names.alternative(alt): _logprob(alt.get("logprob")) for alt in top or ()} for top in tops
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _usage(samples: list[dict]) -> dict:
+    """The prompt counts once for n samples (OpenAI's usage); cached: the part of the prompt that
+    every sample found in the cache."""
+    prompt = int(samples[0]["prompt_tokens"] or 0)
+    completion = sum(int(s["completion_tokens"] or 0) for s in samples)
+    cached = min(int(s.get("cached_prompt_tokens") or 0) for s in samples)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def response_body(samples: list[dict], model: str, created: int, request_key: str, names: TokenNames) -> dict:
+    """The chat.completion (or text_completion, for rows of /v1/completions) of one input line's samples."""
+    samples = sorted(samples, key=lambda s: s.get(SAMPLE_KEY) or 0)
+    chat = samples[0].get("url") != COMPLETIONS_URL
+    choices = []
+    for position, sample in enumerate(samples):
+        index = sample.get(SAMPLE_KEY)
+        choice: dict[str, Any] = {"index": position if index is None else int(index)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": sample["text"]}
+            choice["logprobs"] = _chat_logprobs(sample, names)
+        else:
+            choice["text"] = sample["text"]
+            choice["logprobs"] = _completion_logprobs(sample, names)
+        choice["finish_reason"] = sample["finish_reason"]
+        choices.append(choice)
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_key}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": _usage(samples),
+    }
+
+
+def output_line(samples: list[dict], served_model: str, created: int, request_key: str,
+                names: TokenNames) -> tuple[dict, bool]:
+    """One input line's OpenAI batch output line -> (line, failed)."""
+    first = samples[0]
+    custom_id = None if first.get("id") is None else str(first["id"])
+    line: dict[str, Any] = {"id": f"batch_req_{request_key}", "custom_id": custom_id}
+    failed = next((s for s in samples if s.get("finish_reason") == "error"), None)
+    if failed is not None:
+        line.update(response=None, error={"code": ERROR_CODE, "message": failed.get("error") or "failed"})
+        return line, True
+    model = first.get("model") if isinstance(first.get("model"), str) else served_model
+    body = response_body(samples, model, created, request_key, names)
+    line.update(response={"status_code": 200, "request_id": f"req_{request_key}", "body": body}, error=None)
+    return line, False
+
+
+# --- the final file -----------------------------------------------------------------------------
+
+
+def is_openai_output(path: Path) -> bool:
+    return path.suffix.lower() in OPENAI_SUFFIXES
+
+
+def sidecar_path(output: Path) -> Path:
+    return output.with_name(output.name + ".batchgen.json")
+
+
+def stored_metadata(output: Path) -> dict | None:
+    """The metadata of a finished OpenAI OUTPUT, or None if its sidecar is missing or not OUTPUT's."""
+    try:
+        stored = json.loads(sidecar_path(output).read_text())
+        stat = output.stat()
+        if stored["output"] != {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}:
+            return None
+        return stored["batchgen"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def stored_fingerprint(output: Path) -> dict | None:
+    meta = stored_metadata(output)
+    return meta.get("fingerprint") if isinstance(meta, dict) else None
+
+
+class _Selection:
+    """Pass 1: which rows of which part go to the output (the first copy of each (line, sample)),
+    and the last part that holds a sample of each line."""
+
+    def __init__(self) -> None:
+        self.seen_first = np.zeros(0, dtype=bool)  # sample 0 of line i saved (a bitmap: the common case)
+        self.seen_more: set[tuple[int, int]] = set()  # (line, sample > 0)
+        self.last_part = np.full(0, -1, dtype=np.int64)
+
+    def _grow(self, top: int) -> None:
+        if top >= len(self.seen_first):
+            extra = top + 1 - len(self.seen_first) + 1024
+            self.seen_first = np.concatenate([self.seen_first, np.zeros(extra, dtype=bool)])
+            self.last_part = np.concatenate([self.last_part, np.full(extra, -1, dtype=np.int64)])
+
+    def add(self, part_number: int, lines: np.ndarray, samples: np.ndarray) -> np.ndarray:
+        """-> the keep mask of one part's rows."""
+        keep = np.zeros(len(lines), dtype=bool)
+        if not len(lines):
+            return keep
+        self._grow(int(lines.max()))
+        first = np.flatnonzero(samples == 0)
+        unique = first[np.unique(lines[first], return_index=True)[1]]
+        unique = unique[~self.seen_first[lines[unique]]]
+        keep[unique] = True
+        self.seen_first[lines[unique]] = True
+        for j in np.flatnonzero(samples != 0):
+            key = (int(lines[j]), int(samples[j]))
+            if key not in self.seen_more:
+                self.seen_more.add(key)
+                keep[j] = True
+        self.last_part[lines[keep]] = part_number
+        return keep
+
+
+def _text_file(path: Path):
+    return open(path, "w", encoding="utf-8", newline="\n")
+
+
+def write_openai_output(
+    workdir: Path,
+    output: Path,
+    metadata: Callable[[Totals], dict],
+    served_model: str,
+    salt: str,
+    token_text: TokenText | None = None,
+    error_file: Path | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Totals:
+    """Streams every part into OUTPUT as OpenAI batch output lines, each (line, sample) at most once;
+    -> the totals over the rows kept. `metadata(totals)` goes to the sidecar; `salt` (the job's
+    fingerprint) makes the generated ids differ between jobs while a rerun gives the same ones."""
+    parts = list_parts(workdir)
+    selection = _Selection()
+    totals = Totals()
+    keeps = []
+    for number, part in enumerate(parts):
+        if should_stop():
+            raise KeyboardInterrupt
+        names = set(pq.read_schema(part).names)
+        table = pq.read_table(part, columns=[c for c in (ROW_KEY, *TOTALS_COLUMNS, SAMPLE_KEY) if c in names])
+        for name in TOTALS_COLUMNS:  # a column that parts of an older version lack
+            if name not in names:
+                table = table.append_column(name, pa.nulls(table.num_rows, pa.int64()))
+        lines = table.column(ROW_KEY).to_numpy()
+        samples = (table.column(SAMPLE_KEY).fill_null(0).to_numpy() if SAMPLE_KEY in names
+                   else np.zeros(len(lines), dtype=np.int64))
+        keep = selection.add(number, lines, samples)
+        keeps.append(keep)
+        totals.add(table.filter(pa.array(keep)))
+    totals.requests = int((selection.last_part >= 0).sum())  # input lines answered (n samples: one line)
+    meta = metadata(totals)
+
+    created = int(time.time())
+    token_names = TokenNames(token_text)
+    tmp = workdir / "final.jsonl.tmp"
+    if error_file is not None:  # beside it: a rename does not cross file systems
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        error_tmp = error_file.with_name(error_file.name + ".tmp")
+    else:
+        error_tmp = workdir / "errors.jsonl.tmp"
+    with _text_file(tmp) as out, _text_file(error_tmp) as errors:
+        pending: dict[int, list[dict]] = {}
+        for number, (part, keep) in enumerate(zip(parts, keeps)):
+            if should_stop():
+                raise KeyboardInterrupt
+            names = pq.read_schema(part).names
+            table = pq.read_table(part, columns=[c for c in OUTPUT_COLUMNS if c in names]).filter(pa.array(keep))
+            for row in table.to_pylist():
+                pending.setdefault(row[ROW_KEY], []).append(row)
+            for line_index in [i for i in pending if selection.last_part[i] == number]:
+                key = hashlib.blake2b(f"{salt}\x00{line_index}".encode(), digest_size=12).hexdigest()
+                line, failed = output_line(pending.pop(line_index), served_model, created, key, token_names)
+                target = errors if failed and error_file is not None else out
+                target.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
+        assert not pending, "a line's last part was passed without writing it"
+        for f in (out, errors):
+            f.flush()
+            os.fsync(f.fileno())
+    if error_file is not None:
+        os.replace(error_tmp, error_file)
+        fsync_dir(error_file.parent)
+    else:
+        error_tmp.unlink()
+    stat = tmp.stat()
+    sidecar = {"batchgen": meta, "output": {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}}
+    write_atomically(sidecar_path(output), lambda f: f.write(json.dumps(sidecar, indent=1).encode()))
+    os.replace(tmp, output)
+    fsync_dir(output.parent)
+    return totals
