@@ -247,6 +247,9 @@ def test_redis_restarted_mid_job_loses_nothing(tmp_path_factory, job, batchgen, 
             assert client.xlen(keys.results("j")) < 8
             server.stop()
             time.sleep(3)  # the engine goes on generating; results wait in the worker
+            # down until the worker has met the outage (a loaded machine may take longer than 3 s
+            # to finish its next row and try to write it)
+            wait_for(lambda: w.events("redis_unavailable"), 180, "the worker to notice the outage", w)
             server.start()
 
         table = submit_and_collect(batchgen, server.url(), "restart", src, tmp_path / "out.parquet", restart_mid_job)
