@@ -164,6 +164,9 @@ ENGINE_OPTIONS = (
             help="Longest prompt + output, in tokens. Default: the model's."),
     _option("kv_cache_tokens", Optional[int], None, panel=ENGINE,
             help="KV cache size in tokens. Default: from the memory budget."),
+    _option("enable_prefix_caching", bool, True, "--enable-prefix-caching/--no-enable-prefix-caching", panel=ENGINE,
+            help="Reuse the KV of prompt prefixes computed before (a shared system prompt, few-shot examples, "
+                 "the n samples of a row) instead of computing them again."),
 )
 SAMPLING_OPTIONS = (
     _option("max_tokens", int, 256, panel=SAMPLING, help="Most tokens to generate for a row."),
@@ -174,6 +177,8 @@ SAMPLING_OPTIONS = (
     _option("top_k", int, -1, panel=SAMPLING, help="-1 or 0 = off."),
     _option("stop", Optional[List[str]], None, panel=SAMPLING, help="A stop string (repeat for several)."),
     _option("ignore_eos", bool, False, panel=SAMPLING, help="Generate past EOS, up to --max-tokens."),
+    _option("n", int, 1, panel=SAMPLING,
+            help="Samples of each prompt: n output rows (sample_index 0..n-1), the prompt computed once."),
     _option("seed", int, 0, panel=SAMPLING,
             help="Job seed: a row without its own seed gets one derived from (seed, id)."),
 )
@@ -235,14 +240,14 @@ def _engine_setup(options: dict) -> _EngineSetup:
     try:
         sampling = SamplingParams(max_tokens=o["max_tokens"], min_tokens=o["min_tokens"], temperature=o["temperature"],
                                   top_p=o["top_p"], top_k=o["top_k"], stop=list(o["stop"] or []),
-                                  ignore_eos=o["ignore_eos"])
+                                  ignore_eos=o["ignore_eos"], n=o["n"])
     except ValueError as e:
         raise _UsageError(f"invalid sampling default: {e}") from None
     engine_options = dict(
         dtype=o["dtype"].value, device=o["device"].value, tensor_parallel_size=o["tensor_parallel_size"],
         max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
         gpu_memory_utilization=o["gpu_memory_utilization"], max_model_len=o["max_model_len"],
-        kv_cache_tokens=o["kv_cache_tokens"], seed=o["seed"],
+        kv_cache_tokens=o["kv_cache_tokens"], seed=o["seed"], enable_prefix_caching=o["enable_prefix_caching"],
     )
     try:
         EngineConfig(model=o["model"], **engine_options)
@@ -253,6 +258,7 @@ def _engine_setup(options: dict) -> _EngineSetup:
         "max_model_len": o["max_model_len"], "kv_cache_tokens": o["kv_cache_tokens"], "seed": o["seed"],
         "max_tokens": o["max_tokens"], "min_tokens": o["min_tokens"], "temperature": o["temperature"],
         "top_p": o["top_p"], "top_k": sampling.top_k, "stop": sampling.stop, "ignore_eos": o["ignore_eos"],
+        **({"n": o["n"]} if o["n"] != 1 else {}),  # (absent for n=1: the fingerprints of earlier runs hold)
     }
     return _EngineSetup(o["model"], engine_options, sampling, settings)
 

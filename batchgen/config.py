@@ -21,6 +21,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None  # KV pool size in tokens; None: from the memory budget
     cpu_kv_cache_gb: float = 4.0  # KV pool byte budget on CPU
     cuda_graphs: bool = True  # replay captured graphs for decode-only steps on CUDA
+    enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes computed before (engine/prefix_cache.py)
     seed: int = 0  # job seed: rows without their own seed get one derived from (seed, id)
     trust_remote_code: bool = False  # only for tokenizers; batchgen never runs a checkpoint's model code
 

@@ -56,6 +56,7 @@ class LLM:
         first_admit = last_result = None
         prompt_tokens = output_tokens = 0
         self.stats = {}
+        failed = False
         try:
             while True:
                 fresh = []
@@ -70,7 +71,7 @@ class LLM:
                         row = {**row, "id": index}
                     index += 1
                     try:
-                        fresh.append(engine.make_sequence(row, defaults))
+                        fresh.extend(engine.make_sequences(row, defaults))
                     except RequestError as e:
                         yield error_row(row, str(e))
                 for seq in pack(fresh):
@@ -87,14 +88,21 @@ class LLM:
                     prompt_tokens += seq.num_prompt
                     output_tokens += len(seq.output_ids)
                     yield result_row(seq)
+        except Exception:
+            failed = True
+            raise
         finally:
-            engine.abort_all()  # a stop, an error, or a consumer that quit early: free every slot
+            # a stop, an error, or a consumer that quit early: free every slot (and after an error the
+            # prefix cache too: it may hold prompts of a step that was never launched)
+            engine.abort_all(clear_cache=failed)
             gen_s = (last_result - first_admit) if first_admit and last_result else 0.0
             self.stats = {"generation_seconds": gen_s, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
 
     def generate_list(self, requests: Iterable[dict], sampling: SamplingParams | None = None) -> list[dict]:
-        """All results, in the order of the requests."""
+        """All results, in the order of the requests (a request's n samples in order of sample_index)."""
         requests = list(requests)
         ids = [r.get("id", i) if isinstance(r, dict) else i for i, r in enumerate(requests)]
-        by_id = {r["id"]: r for r in self.generate(requests, sampling)}
-        return [by_id[i] for i in ids]
+        by_id: dict = {}
+        for r in self.generate(requests, sampling):
+            by_id.setdefault(r["id"], []).append(r)
+        return [r for i in ids for r in sorted(by_id[i], key=lambda r: r["sample_index"])]

@@ -6,6 +6,9 @@ import hashlib
 from dataclasses import dataclass, field
 
 
+MAX_N = 1024  # samples of one prompt: each is a sequence of its own, built when the row is read
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -17,6 +20,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1  # samples of the prompt: n output rows, the prompt's KV shared by all
 
     def __post_init__(self):
         self.stop = list(self.stop or [])
@@ -37,6 +41,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
         if any(not s for s in self.stop):
@@ -53,4 +59,12 @@ class SamplingParams:
 def derive_seed(job_seed: int, request_id) -> int:
     """A request's seed from the job seed and its id: stable across runs, shards and resumes."""
     digest = hashlib.blake2b(f"{job_seed}\x00{request_id!r}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample `index` of a request with `seed`: sample 0 keeps it (n=1 is unchanged)."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}\x00sample\x00{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1

@@ -8,12 +8,15 @@ from typing import Any
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # exactly one per row
 SAMPLING_FIELDS = (
-    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
 )
 OUTPUT_OPTIONS = ("logprobs", "prompt_logprobs")  # opt-in: return log-probabilities
-KNOWN_FIELDS = ("id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *OUTPUT_OPTIONS)  # the rest is carried through
+# Which of a request's n samples to generate (all when absent): set by a resumed job for a row
+# whose other samples an earlier run finished.
+SAMPLES_KEY = "__batchgen_samples__"
+KNOWN_FIELDS = ("id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *OUTPUT_OPTIONS, SAMPLES_KEY)  # the rest is carried through
 METRIC_FIELDS = ("queue_s", "ttft_s", "prefill_s", "decode_s", "e2e_s", "decode_tokens_per_s")
-INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed")
+INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "n")
 FLOAT_FIELDS = ("temperature", "top_p")
 BOOL_FIELDS = ("ignore_eos", *OUTPUT_OPTIONS)
 
@@ -125,6 +128,7 @@ def error_result(row_id, message: str, extras: dict | None = None) -> dict:
     return {
         "id": row_id,
         **(extras or {}),
+        "sample_index": 0,  # one error row for a request, whatever its n
         "text": None,
         "output_token_ids": [],
         "finish_reason": "error",

@@ -6,6 +6,10 @@ with transformers and saved as bf16 safetensors. Prints one JSON line per measur
     python benchmarks/throughput.py --model llama-3.2-1b --workload W-offline W-short --hf-requests 64 \
         --json-out results.jsonl --plot throughput.png
 
+W-prefix runs with the prefix cache on and off (ratio_vs_cache_off); W-n runs its n = 8 samples a
+prompt against the same job as separate rows with the cache off (ratio_vs_separate_rows), as
+before either existed. --compare-cache-off adds a cache-off run to any other workload.
+
 GPU busy is the mean of NVML's utilization samples (the share of time a kernel was running) taken
 every 50 ms during batchgen's run.
 """
@@ -41,7 +45,11 @@ WORKLOADS = {
     "W-short": (2048, (32, 256), (16, 128)),
     "W-long": (64, (4096, 8192), (64, 256)),
     "W-decode1": (1, (128, 128), (1024, 1024)),
+    "W-prefix": (2048, (32, 256), (16, 128)),  # + a shared 1,024-token system prompt in front of every row
+    "W-n": (256, (100, 1024), (100, 512)),  # n = 8 samples of each prompt
 }
+SYSTEM_PROMPT_TOKENS = 1024  # W-prefix
+SAMPLES = 8  # W-n
 
 
 def build_model(name: str, root: Path) -> Path:
@@ -67,11 +75,21 @@ def build_model(name: str, root: Path) -> Path:
 def make_requests(workload: str, vocab: int) -> list[dict]:
     n, (in_lo, in_hi), (out_lo, out_hi) = WORKLOADS[workload]
     rng = random.Random(0)
-    return [
-        {"id": i, "prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(in_lo, in_hi))],
+    system = [rng.randrange(vocab) for _ in range(SYSTEM_PROMPT_TOKENS)] if workload == "W-prefix" else []
+    requests = [
+        {"id": i, "prompt_token_ids": system + [rng.randrange(vocab) for _ in range(rng.randint(in_lo, in_hi))],
          "max_tokens": rng.randint(out_lo, out_hi)}
         for i in range(n)
     ]
+    if workload == "W-n":
+        requests = [{**r, "n": SAMPLES} for r in requests]
+    return requests
+
+
+def as_separate_rows(requests: list[dict]) -> list[dict]:
+    """A job of n samples a row as the same number of rows of one sample each."""
+    rows = [{**r, "n": 1} for r in requests for _ in range(r.get("n", 1))]
+    return [{**r, "id": i} for i, r in enumerate(rows)]
 
 
 class GpuBusy:
@@ -105,22 +123,26 @@ class GpuBusy:
         return round(sum(self.samples) / len(self.samples), 1) if self.samples else None
 
 
-def run_batchgen(model_dir: Path, requests: list[dict], temperature: float, tp: int = 1) -> dict:
-    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp)
+def run_batchgen(model_dir: Path, requests: list[dict], temperature: float, tp: int = 1, **options) -> dict:
+    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp, **options)
     params = SamplingParams(temperature=temperature, ignore_eos=True)
-    llm.generate_list(requests[:2], params)  # warm-up: kernels compiled, allocator primed
+    llm.generate_list([{**r, "n": 1} for r in requests[:2]], params)  # warm-up: kernels compiled, allocator primed
+    if llm.engine.scheduler.cache is not None:
+        llm.engine.scheduler.cache.clear()  # the measured run starts from an empty prefix cache
     torch.cuda.synchronize()
     with GpuBusy() as busy:
         start = time.perf_counter()
         results = llm.generate_list(requests, params)
         wall = time.perf_counter() - start
     tokens = sum(r["completion_tokens"] for r in results)
-    assert tokens == sum(r["max_tokens"] for r in requests)
+    assert tokens == sum(r["max_tokens"] * r.get("n", 1) for r in requests)
     ttft = sorted(r["ttft_s"] for r in results)
+    prompt_tokens = sum(r["prompt_tokens"] for r in results)
+    hit_rate = sum(r["cached_prompt_tokens"] for r in results) / prompt_tokens if prompt_tokens else 0.0
     del llm
     torch.cuda.empty_cache()
     return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "ttft_p50_s": ttft[len(ttft) // 2],
-            "gpu_busy_pct": busy.percent}
+            "gpu_busy_pct": busy.percent, "prefix_cache_hit_rate": round(hit_rate, 4)}
 
 
 def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
@@ -178,6 +200,8 @@ def main(argv=None):
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--models-dir", default="/tmp/batchgen-bench-models")
+    ap.add_argument("--compare-cache-off", action="store_true",
+                    help="also run each workload with the prefix cache off (always done for W-prefix)")
     ap.add_argument("--json-out", help="append the JSON lines to this file")
     ap.add_argument("--plot", help="write a PNG bar chart of this run's lines")
     args = ap.parse_args(argv)
@@ -191,11 +215,22 @@ def main(argv=None):
                     "tp": args.tensor_parallel_size, "torch": torch.__version__, "requests": len(requests),
                     "temperature": args.temperature, "batchgen_tok_s": round(ours["tok_s"], 1),
                     "batchgen_wall_s": round(ours["wall_s"], 2), "batchgen_ttft_p50_s": round(ours["ttft_p50_s"], 3),
-                    "gpu_busy_pct": ours["gpu_busy_pct"]}
+                    "gpu_busy_pct": ours["gpu_busy_pct"], "prefix_cache_hit_rate": ours["prefix_cache_hit_rate"]}
+            if workload == "W-prefix" or args.compare_cache_off:
+                off = run_batchgen(model_dir, requests, args.temperature, args.tensor_parallel_size,
+                                   enable_prefix_caching=False)
+                line.update({"cache_off_tok_s": round(off["tok_s"], 1), "cache_off_wall_s": round(off["wall_s"], 2),
+                             "ratio_vs_cache_off": round(ours["tok_s"] / off["tok_s"], 3)})
+            if workload == "W-n":
+                rows = run_batchgen(model_dir, as_separate_rows(requests), args.temperature, args.tensor_parallel_size,
+                                    enable_prefix_caching=False)
+                line.update({"samples": SAMPLES, "separate_rows_tok_s": round(rows["tok_s"], 1),
+                             "separate_rows_wall_s": round(rows["wall_s"], 2),
+                             "ratio_vs_separate_rows": round(ours["tok_s"] / rows["tok_s"], 3)})
             if workload == "W-decode1":
                 line["ms_per_token"] = round(1000 / ours["tok_s"], 3)
             if args.hf_requests:
-                hf = run_hf(model_dir, requests[: args.hf_requests])
+                hf = run_hf(model_dir, as_separate_rows(requests)[: args.hf_requests])
                 line.update({"hf_requests": min(args.hf_requests, len(requests)),
                              "hf_generate_tok_s": round(hf["tok_s"], 1), "hf_wall_s": round(hf["wall_s"], 2),
                              "ratio": round(ours["tok_s"] / hf["tok_s"], 2)})

@@ -16,7 +16,8 @@ def test_help_lists_the_options_and_their_environment_variables(batchgen):
     for text in ("--model", "--dtype", "--device", "-tp", "--tensor-parallel-size", "--max-num-seqs",
                  "--max-num-batched-tokens", "--gpu-memory-utilization", "--max-model-len", "--kv-cache-tokens",
                  "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--shard", "--resume",
-                 "--no-resume", "--strict", "BATCHGEN_MAX_TOKENS", "BATCHGEN_TENSOR_PARALLEL_SIZE"):
+                 "--no-resume", "--strict", "BATCHGEN_MAX_TOKENS", "BATCHGEN_TENSOR_PARALLEL_SIZE", "--n",
+                 "--enable-prefix-caching", "--no-enable-prefix-caching"):
         assert text in done.stdout, text
     top = batchgen("--help")
     assert top.returncode == 0 and "run" in top.stdout and "models" in top.stdout
@@ -33,6 +34,7 @@ def test_help_lists_the_options_and_their_environment_variables(batchgen):
         (["--bogus"], {}, "No such option: --bogus"),
         (["--top-p", "0"], {}, "top_p must be in (0, 1]"),
         (["--max-tokens", "0"], {}, "max_tokens must be >= 1"),
+        (["--n", "0"], {}, "n must be in [1, 1024]"),
         (["--max-num-seqs", "0"], {}, "--max-num-seqs"),
         (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization"),
         ([], {"BATCHGEN_MAX_TOKENS": "lots"}, "BATCHGEN_MAX_TOKENS"),

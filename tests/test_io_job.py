@@ -266,8 +266,8 @@ def test_parquet_column_named_like_an_output_column_is_refused(tmp_path):
 
 def test_jsonl_column_types_widen_across_parts(tmp_path):
     rows = [
-        {"prompt": "a", "n": 1, "mixed": "x", "meta": {"k": 1}, "flag": True},
-        {"prompt": "b", "n": 2.5, "mixed": 3, "meta": None, "flag": False},
+        {"prompt": "a", "num": 1, "mixed": "x", "meta": {"k": 1}, "flag": True},
+        {"prompt": "b", "num": 2.5, "mixed": 3, "meta": None, "flag": False},
         {"prompt": "c", "mixed": [1], "only_here": None},
         {"id": "named", "prompt": "d"},
     ]
@@ -275,10 +275,10 @@ def test_jsonl_column_types_widen_across_parts(tmp_path):
     run(tmp_path, src, flush_rows=1)  # one part per row: every column's type is widened at merge
     out = pq.read_table(tmp_path / "out.parquet")
     types = {f.name: f.type for f in out.schema}
-    assert types["id"] == pa.string() and types["n"] == pa.float64() and types["flag"] == pa.bool_()
+    assert types["id"] == pa.string() and types["num"] == pa.float64() and types["flag"] == pa.bool_()
     assert types["mixed"] == pa.string() and types["meta"] == pa.string() and types["only_here"] == pa.string()
     by_prompt_text = {r["text"]: r for r in out.to_pylist()}
-    assert by_prompt_text["a"]["n"] == 1.0 and by_prompt_text["a"]["meta"] == '{"k": 1}'
+    assert by_prompt_text["a"]["num"] == 1.0 and by_prompt_text["a"]["meta"] == '{"k": 1}'
     assert {r["mixed"] for r in out.to_pylist()} == {'"x"', "3", "[1]", None}
     assert sorted(r["id"] for r in out.to_pylist()) == ["0", "1", "2", "named"]
 

@@ -12,8 +12,8 @@ from batchgen.io.sinks import Layout, PartWriter, list_parts, merge_parts
 
 
 def ok_row(index, **extra):
-    return {"id": f"r{index}", **extra, "text": f"t{index}", "output_token_ids": [1, 2], "finish_reason": "stop",
-            "error": None, "prompt_tokens": 3, "completion_tokens": 2, "cached_prompt_tokens": 0,
+    return {"id": f"r{index}", **extra, "sample_index": 0, "text": f"t{index}", "output_token_ids": [1, 2],
+            "finish_reason": "stop", "error": None, "prompt_tokens": 3, "completion_tokens": 2, "cached_prompt_tokens": 0,
             "num_preemptions": 0, "queue_s": 0.0, "ttft_s": 0.1 * index, "prefill_s": 0.1, "decode_s": 0.2,
             "e2e_s": 1.0 + index, "decode_tokens_per_s": 5.0, ROW_KEY: index}
 
@@ -69,14 +69,14 @@ def test_merge_of_nothing_gives_an_empty_file_with_the_schema(tmp_path):
 
 
 def test_fixed_layout_stores_ids_as_the_input_schema_says(tmp_path):
-    layout = Layout(pa.schema([("id", pa.string()), ("prompt", pa.string()), ("n", pa.int16())]))
+    layout = Layout(pa.schema([("id", pa.string()), ("prompt", pa.string()), ("num", pa.int16())]))
     writer = PartWriter(tmp_path, layout, flush_rows=10)
-    writer.add(ok_row(0, n=3) | {"id": 0})  # a row without id got its index: stored as text here
+    writer.add(ok_row(0, num=3) | {"id": 0})  # a row without id got its index: stored as text here
     writer.flush()
     merge_parts(tmp_path, tmp_path / "out.parquet", layout, lambda t: {})
     table = pq.read_table(tmp_path / "out.parquet")
-    assert table.column("id").to_pylist() == ["0"] and table.schema.field("n").type == pa.int16()
-    assert table.column_names[:3] == ["id", "n", "text"]
+    assert table.column("id").to_pylist() == ["0"] and table.schema.field("num").type == pa.int16()
+    assert table.column_names[:4] == ["id", "num", "sample_index", "text"]
 
 
 def test_workdir_sets_aside_an_unreadable_part(tmp_path):
@@ -90,7 +90,7 @@ def test_workdir_sets_aside_an_unreadable_part(tmp_path):
     workdir.close()
     workdir = WorkDir(out)
     workdir.open({"a": 1}, resume=True)
-    assert workdir.done_rows().tolist() == [False, False, True]
+    assert workdir.done_rows().any.tolist() == [False, False, True]
     assert (workdir.path / "part-000002.parquet.corrupt").exists()
     assert not (workdir.path / "part-000003.parquet.tmp").exists()
     workdir.remove()
@@ -105,4 +105,4 @@ def test_workdir_refuses_rows_without_job_file(tmp_path):
     with pytest.raises(JobError, match="no job.json.*--no-resume"):
         workdir.open({"a": 1}, resume=True)
     workdir.open({"a": 1}, resume=False)
-    assert workdir.done_rows().tolist() == []
+    assert workdir.done_rows().any.tolist() == []

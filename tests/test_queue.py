@@ -484,15 +484,17 @@ def test_metrics_are_served_with_vllm_style_names(tmp_path):
     llm.engine = Engine
     metrics = WorkerMetrics(llm)
     metrics.observe(answer({"id": 1, "prompt": "abc"}))
+    metrics.observe({**answer({"id": 2, "prompt": "abc"}), "prompt_tokens": 10, "cached_prompt_tokens": 8})
     port = metrics.serve(0, addr="127.0.0.1")
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         metrics.close()
     for line in ("batchgen:num_requests_running 2.0", "batchgen:num_requests_waiting 1.0",
-                 "batchgen:kv_cache_usage_perc 0.25", "batchgen:generation_tokens_total 2.0",
-                 'batchgen:request_success_total{finished_reason="length"} 1.0',
-                 "batchgen:time_to_first_token_seconds_count 1.0", "batchgen:e2e_request_latency_seconds_count 1.0"):
+                 "batchgen:kv_cache_usage_perc 0.25", "batchgen:generation_tokens_total 4.0",
+                 'batchgen:request_success_total{finished_reason="length"} 2.0',
+                 "batchgen:prefix_cache_queries_total 13.0", "batchgen:prefix_cache_hits_total 8.0",
+                 "batchgen:time_to_first_token_seconds_count 2.0", "batchgen:e2e_request_latency_seconds_count 2.0"):
         assert line in body, line
 
 
@@ -531,3 +533,39 @@ def test_rediss_urls_connect_over_tls(tmp_path_factory):
         assert client.xinfo_groups("tls:requests")[0]["name"] == GROUP.encode()
     finally:
         server.stop()
+
+
+class SamplingStandIn(StandInLLM):
+    """The stand-in, answering a request of n samples with n results (sample_index 0..n-1) that
+    finish apart from each other."""
+
+    def generate(self, requests, sampling=None, stop_event=None):
+        def expanded():
+            for request in requests:
+                if request is None:
+                    yield None
+                    continue
+                for i in range(request.get("n", 1)):
+                    yield {**request, "sample_index": i}
+
+        yield from super().generate(expanded(), sampling, stop_event)
+
+
+def test_samples_of_a_row_are_answered_together_and_collected_once_each(tmp_path, client, keys):
+    rows = [{**r, "n": 1 + i % 3} for i, r in enumerate(ROWS)]
+    submit_job(client, keys, "j", write_jsonl(tmp_path / "in.jsonl", rows))
+    running = Running(client, keys, SamplingStandIn(room=4))
+    expected = sum(r["n"] for r in rows)
+    wait_for(lambda: client.xlen(keys.results("j")) == expected, what=f"{expected} results")
+    counts = running.stop()
+    assert counts["results"] == len(rows)  # one answer per message, all its samples in it
+    assert client.xpending(keys.requests, GROUP)["pending"] == 0
+    entries = [{k.decode(): v.decode() for k, v in f.items()} for _id, f in client.xrange(keys.results("j"))]
+    for i, row in enumerate(rows):  # a message's samples are written in one step: adjacent entries
+        mine = [j for j, e in enumerate(entries) if e["index"] == str(i)]
+        assert mine == list(range(mine[0], mine[0] + row["n"]))
+    result = collect_job(client, keys, "j", tmp_path / "out.parquet", timeout_s=10)
+    assert result.rows == len(rows) and result.duplicates == 0
+    out = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    pairs = sorted((r["id"], i) for r in rows for i in range(r["n"]))
+    assert sorted((r["id"], r["sample_index"]) for r in out) == pairs

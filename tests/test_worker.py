@@ -27,7 +27,7 @@ from tests.redis_server import PASSWORD, USER, start_server
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-ROWS = [{"id": f"row{i}", "prompt": f"Write a short note number {i} about the weather in spring.", "n": i}
+ROWS = [{"id": f"row{i}", "prompt": f"Write a short note number {i} about the weather in spring.", "num": i}
         for i in range(8)]
 OPTIONS = ["--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--max-num-seqs", "2", "--dtype", "float32"]
 
@@ -106,7 +106,7 @@ def job(tmp_path_factory):
 
 
 def texts(table) -> dict:
-    return {r["id"]: (r["text"], r["output_token_ids"], r["n"]) for r in table.to_pylist()}
+    return {r["id"]: (r["text"], r["output_token_ids"], r["num"]) for r in table.to_pylist()}
 
 
 def submit_and_collect(batchgen, url, prefix, src, output, before_collect=lambda: None):
@@ -137,7 +137,7 @@ def test_submit_worker_collect_gives_the_same_results_as_run(worker, server, job
     table = submit_and_collect(batchgen, server.url(USER, PASSWORD), "shared", src, tmp_path / "out.parquet")
     assert texts(table) == texts(reference)
     assert table.column_names == reference.column_names
-    assert table.schema.field("n").type == reference.schema.field("n").type
+    assert table.schema.field("num").type == reference.schema.field("num").type
     meta, run_meta = (json.loads(t.schema.metadata[b"batchgen"]) for t in (table, reference))
     assert meta["workers"] == ["w"] and meta["rows"] == 8 and meta["rows_ok"] == 8
     assert meta["model"] == run_meta["model"] and meta["dtype"] == run_meta["dtype"] == "float32"

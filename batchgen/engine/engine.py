@@ -11,14 +11,14 @@ from transformers import AutoTokenizer
 
 from batchgen.config import EngineConfig
 from batchgen.forward.parallel import SINGLE
-from batchgen.engine.request import Sequence, Status, make_sequence
+from batchgen.engine.request import Sequence, Status, make_samples, make_sequence
 from batchgen.engine.runner import ModelRunner, StepOutput
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.tp_workers import TPWorkers, tp_device
 from batchgen.models.model_config import load_model_config
 from batchgen.models.resolve import resolve_model_dir
 from batchgen.sampling_params import SamplingParams
-from batchgen.schema import KNOWN_FIELDS, error_result
+from batchgen.schema import KNOWN_FIELDS, SAMPLES_KEY, error_result
 
 log = logging.getLogger("batchgen")
 
@@ -44,7 +44,8 @@ class LLMEngine:
         if self.workers is not None:  # step() reads results back through StepOutput.read(check)
             self.workers.runner_ready(self.runner.graphs.release if self.runner.graphs is not None else None)
         self.kv = self.runner.kv
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.runner.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.runner.max_num_batched_tokens,
+                                   prefix_caching=config.enable_prefix_caching)
         # a request longer than this can never run: the model's length, or the whole pool
         self.max_request_len = min(self.runner.max_model_len, self.kv.num_slots)
         self.eos_ids = self.model_cfg.eos_token_ids or (
@@ -64,6 +65,7 @@ class LLMEngine:
             "max_num_batched_tokens": self.runner.max_num_batched_tokens,
             "kv_cache_tokens": self.kv.num_slots,
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
             "seed": self.config.seed,
         }
 
@@ -73,6 +75,10 @@ class LLMEngine:
             row, defaults, self.config.seed, self.tokenizer, self.model_cfg.vocab_size, self.eos_ids,
             self.max_request_len,
         )
+
+    def make_sequences(self, row: dict, defaults: SamplingParams) -> list[Sequence]:
+        """Validate a request row -> the sequences of its n samples (RequestError as make_sequence)."""
+        return make_samples(self.make_sequence(row, defaults), row.get(SAMPLES_KEY))
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -134,11 +140,15 @@ class LLMEngine:
                 finished.append(seq)
         return finished
 
-    def abort_all(self) -> None:
+    def abort_all(self, clear_cache: bool = False) -> None:
+        """Drop every request, freeing its slots. clear_cache: empty the prefix cache too (after a
+        failure: a step may have been scheduled, its prompts cached, and never launched)."""
         for seq in list(self.scheduler.running):
             self.scheduler.finish(seq)
         self.scheduler.waiting.clear()
         self.in_flight = None
+        if clear_cache and self.scheduler.cache is not None:
+            self.scheduler.cache.clear()
 
     def _check_finished(self, seq: Sequence, token: int) -> bool:
         params = seq.params
@@ -184,13 +194,14 @@ def result_row(seq: Sequence) -> dict:
     return {
         "id": seq.id,
         **seq.extras,
+        "sample_index": seq.sample_index,
         "text": seq.text,
         "output_token_ids": out_ids,
         "finish_reason": seq.finish_reason,
         "error": None,
         "prompt_tokens": seq.num_prompt,
         "completion_tokens": len(out_ids),
-        "cached_prompt_tokens": 0,
+        "cached_prompt_tokens": seq.cached_prompt_tokens,
         "num_preemptions": seq.num_preemptions,
         "queue_s": queue,
         "ttft_s": ttft,

@@ -3,7 +3,9 @@
 One pool of `num_slots` token slots per layer, k and v each [num_layers, num_slots, kv_heads, head_dim]
 on the device; a free list of slot indices (host side); a `req_to_token` table [max_num_seqs,
 max_model_len] int32 on the device mapping (request row, position) -> slot. Allocation is per token:
-no block rounding, no fragmentation.
+no block rounding, no fragmentation. With the prefix cache on, slots that the cache holds for no
+running sequence count as available: `alloc` evicts them (least recently used first) when the free
+list runs short.
 """
 from __future__ import annotations
 
@@ -31,13 +33,16 @@ class KVCache:
         # garbage collector walks every list, and a pool holds millions of slots. Pops from the end.
         self.free_slots = array("q", range(num_slots - 1, -1, -1))
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.prefix_cache = None  # a PrefixCache over this pool, when prefix caching is on
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
     def alloc(self, n: int) -> array:
-        assert 0 < n <= self.num_free, f"asked for {n} slots, {self.num_free} free"
+        if n > len(self.free_slots) and self.prefix_cache is not None:
+            self.prefix_cache.evict(n - len(self.free_slots))
+        assert 0 < n <= len(self.free_slots), f"asked for {n} slots, {self.num_free} free"
         slots = self.free_slots[-n:]
         del self.free_slots[-n:]
         return slots
@@ -47,7 +52,13 @@ class KVCache:
 
     @property
     def num_free(self) -> int:
+        """Slots on the free list."""
         return len(self.free_slots)
+
+    @property
+    def num_available(self) -> int:
+        """Slots an alloc can hand out: free ones and those the prefix cache would evict."""
+        return len(self.free_slots) + (self.prefix_cache.evictable if self.prefix_cache is not None else 0)
 
     def alloc_row(self) -> int:
         return self.free_rows.pop()
@@ -57,4 +68,5 @@ class KVCache:
 
     @property
     def num_used(self) -> int:
-        return self.num_slots - self.num_free
+        """Slots running sequences hold (cached ones that none reads are not counted)."""
+        return self.num_slots - self.num_available

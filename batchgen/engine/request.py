@@ -6,7 +6,7 @@ import time
 from array import array
 from enum import Enum
 
-from batchgen.sampling_params import SamplingParams, derive_seed
+from batchgen.sampling_params import SamplingParams, derive_seed, sample_seed
 from batchgen.schema import KNOWN_FIELDS, OUTPUT_OPTIONS, SAMPLING_FIELDS, FieldError, check_options, check_prompt
 
 
@@ -61,6 +61,13 @@ class Sequence:
         self.num_prompt_scored = 0  # prompt positions already scored for prompt_logprobs
         self.row = -1
         self.slots = array("q")  # KV slots of positions 0..num_computed-1
+        # Prefix cache: slots[:num_cached] belong to the cache (the path to cache_node, which this
+        # sequence locks); the rest are its own. cached_prompt_tokens: prompt tokens it reused.
+        self.num_cached = 0
+        self.cache_node = None
+        self.num_in_table = 0  # positions whose slots its token table row has (or gets in a built step)
+        self.cached_prompt_tokens = 0
+        self.sample_index = 0  # which of its row's n samples
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.text: str | None = None
@@ -96,6 +103,14 @@ class Sequence:
         return self.num_tokens - self.num_computed
 
     @property
+    def reuse_limit(self) -> int:
+        """How many leading tokens may come from the prefix cache: prompt tokens only, and at least
+        one token left to compute for the logits; none of the prompt positions still to be scored
+        for prompt_logprobs (their logits are needed)."""
+        limit = min(self.num_prompt, self.num_tokens - 1)
+        return limit if self.prompt_logprobs is None else min(limit, self.num_prompt_scored)
+
+    @property
     def max_total_tokens(self) -> int:
         return self.num_prompt + self.params.max_tokens
 
@@ -124,3 +139,24 @@ def make_sequence(row: dict, defaults: SamplingParams, job_seed: int, tokenizer,
         if options.get(name):
             setattr(seq, name, [])
     return seq
+
+
+def make_samples(seq: Sequence, indices: list[int] | None = None) -> list[Sequence]:
+    """The sequences of a request's n samples (seq: the request, as sample 0) -> those of `indices`
+    (default: all n). Each sample has its own seed, derived from the request's and its index
+    (sample 0 keeps the request's: n=1 is unchanged); the scheduler shares their prompt's KV
+    through the prefix cache."""
+    n = seq.params.n
+    samples = []
+    for i in range(n) if indices is None else sorted({i for i in indices if 0 <= i < n}):
+        sample = seq
+        if i > 0:
+            params = seq.params.replace(seed=sample_seed(seq.params.seed, i))
+            prompt = seq.token_ids[: seq.num_prompt]
+            sample = Sequence(seq.id, prompt, params, list(seq.stop_ids), seq.extras, seq.arrival)
+            for name in OUTPUT_OPTIONS:
+                if getattr(seq, name) is not None:
+                    setattr(sample, name, [])
+        sample.sample_index = i
+        samples.append(sample)
+    return samples

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 
@@ -219,6 +220,7 @@ class ModelRunner:
         inputs = StepInputs.pack(
             [nd, len(samplers), max(kv_lens[:nd], default=0), max(batch.num_new[nd:], default=0)],
             [input_ids, positions, batch.slots, logits_indices, pending_dst, pending_src,
+             *(int64_tensor(a) for a in (batch.prefix_rows, batch.prefix_positions, batch.prefix_slots)),
              token_rows, rows, kv_lens, q_start, batch.num_new[nd:]],
         )
         return inputs, samplers, scored
@@ -249,6 +251,8 @@ class ModelRunner:
         )
         if inputs.has_pending:
             fb.input_ids[a["pending_dst"]] = previous_tokens[a["pending_src"]]
+        if inputs.has_prefix_writes:  # sequences admitted with a cached prefix: their rows point at it
+            fb.req_to_token[a["prefix_rows"], a["prefix_positions"]] = a["prefix_slots"].to(torch.int32)
         return fb
 
     def run_step(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor:
@@ -320,6 +324,11 @@ class ModelRunner:
         if inputs.num_sampled == 0:
             return None
         return self.tp.broadcast(torch.empty(inputs.num_sampled, dtype=torch.int64, device=self.device))
+
+
+def int64_tensor(values: array) -> torch.Tensor:
+    """An array('q') as an int64 tensor, without a Python int per element."""
+    return torch.frombuffer(values, dtype=torch.int64) if len(values) else torch.zeros(0, dtype=torch.int64)
 
 
 def record_slots(fb: ForwardBatch) -> None:

@@ -6,15 +6,24 @@ waiting ones (splitfuse: a long prompt is prefilled over several steps while dec
 A waiting sequence is admitted when the expected KV use of everything running, plus its own, fits
 in the free slots. When the pool runs dry anyway, the newest running sequences are preempted: their
 KV is freed and they are recomputed later (their tokens so far become their prompt).
+
+With the prefix cache, a sequence first takes the longest cached prefix of its prompt (its token
+table row points at the shared slots: `prefix_*` writes of the batch) and computes only the rest;
+budget and admission count only what it computes. The prompt tokens it computes go into the cache
+as soon as they are scheduled, so a sequence admitted after it (in the same step or later) reuses
+them: inside one step, every layer stores the K/V of all the step's tokens before attention reads
+any. A sequence holds its cached prefix locked; releasing it (finish, preemption) frees only its
+own slots.
 """
 from __future__ import annotations
 
 import math
 from array import array
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batchgen.engine.kv_cache import KVCache
+from batchgen.engine.prefix_cache import PrefixCache
 from batchgen.engine.request import Sequence, Status
 
 # Expected fraction of max_tokens a request still generates, for admission. Requests that ignore
@@ -29,6 +38,10 @@ class ScheduledBatch:
     num_new: list[int]  # tokens computed this step, per sequence
     slots: list[int]  # KV slots of those tokens, all sequences' in order
     num_decode: int
+    # token-table writes of cached prefixes: req_to_token[prefix_rows[i], prefix_positions[i]] = prefix_slots[i]
+    prefix_rows: array = field(default_factory=lambda: array("q"))
+    prefix_positions: array = field(default_factory=lambda: array("q"))
+    prefix_slots: array = field(default_factory=lambda: array("q"))
 
     @property
     def num_tokens(self) -> int:
@@ -41,12 +54,15 @@ def expected_future_tokens(seq: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool = False):
         self.kv = kv
+        self.cache = PrefixCache(kv) if prefix_caching else None
+        kv.prefix_cache = self.cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: newest last
+        self._arange = array("q")
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -65,23 +81,31 @@ class Scheduler:
             self.preempt(self.running[-1])
 
     def _try_schedule(self) -> ScheduledBatch:
-        kv = self.kv
+        kv, cache = self.kv, self.cache
         batch = ScheduledBatch([], [], [], [], 0)
         budget = self.max_num_batched_tokens
 
         def take(seq: Sequence, n: int) -> None:
+            start = seq.num_computed
+            if seq.num_in_table < start:  # cached slots attached since its last step: into its row
+                batch.prefix_rows.extend(array("q", [seq.row]) * (start - seq.num_in_table))
+                batch.prefix_positions.extend(self._positions(seq.num_in_table, start))
+                batch.prefix_slots.extend(seq.slots[seq.num_in_table : start])
+            seq.num_in_table = start + n  # the step writes its new tokens' slots itself
             batch.seqs.append(seq)
-            batch.starts.append(seq.num_computed)
+            batch.starts.append(start)
             batch.num_new.append(n)
             slots = kv.alloc(n)
             batch.slots += slots
             seq.slots += slots
             seq.num_computed += n
+            if cache is not None and seq.num_cached == start < seq.num_prompt:
+                self._cache_prompt(seq, start, min(start + n, seq.num_prompt), slots)
 
         for seq in list(self.running):  # decodes, oldest first
             if seq.status is not Status.RUNNING or seq.num_uncomputed != 1 or seq.done_sampling:
                 continue
-            while kv.num_free == 0 and seq.status is Status.RUNNING:
+            while not kv.free_slots and kv.num_available == 0 and seq.status is Status.RUNNING:
                 self.preempt(self.running[-1])
             if seq.status is Status.RUNNING:
                 take(seq, 1)
@@ -90,7 +114,8 @@ class Scheduler:
 
         for seq in self.running:  # prompts part-way through, oldest first
             if seq.num_uncomputed > 0 and not seq.done_sampling:  # (this step's decodes have none left)
-                n = min(seq.num_uncomputed, budget, kv.num_free)
+                self._reuse(seq)  # what others computed since (a prompt they share)
+                n = min(seq.num_uncomputed, budget, kv.num_available)
                 if n <= 0:
                     break
                 take(seq, n)
@@ -103,16 +128,19 @@ class Scheduler:
                 break
             if reserved is None:
                 reserved = sum(expected_future_tokens(s) for s in self.running)
-            need = expected_future_tokens(seq)
-            if self.running and reserved + need > kv.num_free:
-                break
-            n = min(seq.num_uncomputed, budget, kv.num_free)
-            if n <= 0:
+            node, cached = self._lookup(seq)  # locked: the check below counts only the rest
+            need = expected_future_tokens(seq) - len(cached)
+            n = min(seq.num_uncomputed - len(cached), budget, kv.num_available)
+            if (self.running and reserved + need > kv.num_available) or n <= 0:
+                if node is not None:
+                    self.cache.unlock(node)
                 break
             self.waiting.popleft()
             seq.row = kv.alloc_row()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            if node is not None:
+                self._attach(seq, node, cached)
             take(seq, n)
             budget -= n
             reserved += need - n
@@ -133,10 +161,71 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def _release(self, seq: Sequence) -> None:
-        if seq.slots:
-            self.kv.free(seq.slots)
-            seq.slots = array("q")
+        """Give back what the sequence holds: its own slots; its lock on the cached prefix."""
+        if len(seq.slots) > seq.num_cached:
+            self.kv.free(seq.slots[seq.num_cached :])
+        seq.slots = array("q")
+        seq.num_in_table = 0
+        if seq.cache_node is not None:
+            self.cache.unlock(seq.cache_node)
+            seq.cache_node, seq.num_cached = None, 0
         if seq.row >= 0:
             self.kv.free_row(seq.row)
             seq.row = -1
         self.running.remove(seq)
+
+    # ---- prefix cache --------------------------------------------------------------------------
+    def _positions(self, start: int, end: int) -> array:
+        """array('q', range(start, end)), sliced from one kept array (C speed, no int per element)."""
+        if len(self._arange) < end:
+            self._arange = array("q", range(max(end, 2 * len(self._arange))))
+        return self._arange[start:end]
+
+    def _lookup(self, seq: Sequence) -> tuple:
+        """The longest cached prefix a waiting sequence may reuse, locked -> (node, its slots), or
+        (None, empty) when there is none."""
+        if self.cache is None or seq.reuse_limit <= 0 or seq.token_ids[0] not in self.cache.root.children:
+            return None, array("q")
+        node, slots = self.cache.match(self.cache.root, seq.token_ids[: seq.reuse_limit])
+        if not slots:
+            return None, slots
+        self.cache.lock(node)
+        return node, slots
+
+    def _attach(self, seq: Sequence, node, slots: array) -> None:
+        """Extend the sequence's computed prefix with cached slots (node: locked for it, the end of
+        the path they are on); its token table row gets them with its next step's prefix writes."""
+        n = len(slots)
+        seq.slots += slots
+        seq.num_computed += n
+        seq.num_cached += n
+        if seq.num_preemptions == 0:  # a recomputation reuses its own prompt: not counted
+            seq.cached_prompt_tokens += n
+        if seq.cache_node is not None:
+            self.cache.unlock(seq.cache_node)
+        seq.cache_node = node
+
+    def _reuse(self, seq: Sequence) -> None:
+        """A running sequence part-way through its prompt, all of it so far from or in the cache:
+        take what the cache has gained beyond it since."""
+        if self.cache is None or seq.num_cached != seq.num_computed or seq.num_computed >= seq.reuse_limit:
+            return
+        parent = seq.cache_node or self.cache.root
+        if seq.token_ids[seq.num_computed] not in parent.children:
+            return
+        node, slots = self.cache.match(parent, seq.token_ids[seq.num_computed : seq.reuse_limit])
+        self.cache.lock(node)
+        self._attach(seq, node, slots)
+
+    def _cache_prompt(self, seq: Sequence, start: int, end: int, slots: array) -> None:
+        """Prompt tokens [start, end) just scheduled, right after the sequence's cached prefix: into
+        the cache (which takes their slots), unless it has them already (a whole-prompt match left
+        the last token to compute: that one stays the sequence's own)."""
+        parent = seq.cache_node or self.cache.root
+        if seq.token_ids[start] in parent.children:
+            return
+        leaf = self.cache.insert(parent, seq.token_ids[start:end], slots[: end - start])
+        self.cache.lock(leaf)
+        if seq.cache_node is not None:
+            self.cache.unlock(seq.cache_node)
+        seq.cache_node, seq.num_cached = leaf, end

@@ -22,9 +22,13 @@ class PinnedArena:
         self.offset = 0
 
     def take(self, n: int) -> torch.Tensor:
-        """n elements of this step's half; an ordinary (unpinned) tensor if it is full."""
-        if self.offset + n > self.halves[self.half].numel():
-            return torch.empty(n, dtype=self.halves[0].dtype)
+        """n elements of this step's half. A half that is full is replaced by one twice its size
+        (a step that writes a long cached prefix into many token-table rows): the old one goes back
+        to torch's pinned allocator, which reuses it only once the copies queued from it are done."""
+        half = self.halves[self.half]
+        if self.offset + n > half.numel():
+            self.halves[self.half] = torch.empty(max(2 * half.numel(), n), dtype=half.dtype, pin_memory=True)
+            self.offset = 0
         view = self.halves[self.half][self.offset : self.offset + n]
         self.offset += n
         return view

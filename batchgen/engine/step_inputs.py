@@ -19,6 +19,9 @@ INT64_FIELDS = (
     "logits_indices",  # [S + scored], the samplers' tokens, then the prompt tokens scored
     "pending_dst",  # [N], input_ids entries taken from the step in flight's sampled tokens...
     "pending_src",  # [N], ...at these rows of them
+    "prefix_rows",  # [C], token-table writes of cached prefixes: req_to_token[prefix_rows, prefix_positions]...
+    "prefix_positions",  # [C]
+    "prefix_slots",  # [C], ... = prefix_slots
 )
 INT32_FIELDS = (
     "token_rows",  # [T]
@@ -66,6 +69,10 @@ class StepInputs:
     @property
     def has_pending(self) -> bool:
         return self.sizes[FIELDS.index("pending_dst")] > 0
+
+    @property
+    def has_prefix_writes(self) -> bool:
+        return self.sizes[FIELDS.index("prefix_rows")] > 0
 
     def split(self, body: torch.Tensor) -> dict[str, torch.Tensor]:
         """body: the packed values after the header (on any device) -> {field: int64 or int32 view}."""

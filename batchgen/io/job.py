@@ -21,8 +21,10 @@ from batchgen.io.openai_input import CHAT_URL, COMPLETIONS_URL, make_checker, re
 from batchgen.io.resume import JobError, WorkDir, output_fingerprint
 from batchgen.io.rows import RESERVED, ROW_KEY
 from batchgen.io.shard import Shard
-from batchgen.io.sinks import Layout, PartWriter, Totals, list_parts, merge_parts
+from batchgen.io.sinks import Layout, PartWriter, Totals, list_parts, merge_parts, prefix_cache_totals
 from batchgen.io.sources import InputError, open_source
+from batchgen.sampling_params import MAX_N
+from batchgen.schema import SAMPLES_KEY
 
 
 class Progress(Protocol):
@@ -135,7 +137,7 @@ def run_job(
             return JobResult("already_complete", metadata=stored_metadata(output))
         done = workdir.done_rows()
         rows_total = source.count_rows_where(lambda i: i in spec.shard)
-        rows_resumed = int(done.sum())
+        rows_resumed = done.num_rows
         llm = make_llm()
         progress.start(rows_total, rows_resumed)
         sink = PartWriter(workdir.path, layout, spec.flush_rows, spec.flush_seconds)
@@ -143,21 +145,38 @@ def run_job(
         # a native row going to an OpenAI output: chat rows answer as chat.completion, the rest as text_completion
         native_to_openai = spec.openai_output and input_format != "openai"
 
+        samples_left: dict[int, int] = {}  # rows of several samples in the engine -> samples not finished
+
         def finished(row: dict) -> None:
             sink.add(row)
-            progress.advance(row)
+            index = row[ROW_KEY]
+            if index in samples_left and row.get("finish_reason") != "error":
+                samples_left[index] -= 1
+                if samples_left[index]:
+                    return
+            samples_left.pop(index, None)
+            progress.advance(row)  # a row is done once all its samples are
 
         def requests():
             for row in source:
                 request, error = checker.check(row)
-                if row.index not in spec.shard or (row.index < len(done) and done[row.index]):
+                if row.index not in spec.shard:
                     continue
                 if error is not None:
-                    finished(error)
-                else:
-                    if native_to_openai:
-                        request.setdefault("url", CHAT_URL if "messages" in request else COMPLETIONS_URL)
-                    yield request
+                    if not done.has_any(row.index):
+                        finished(error)
+                    continue
+                n = request.get("n", getattr(sampling, "n", 1))
+                missing = done.missing(row.index, n if 1 <= n <= MAX_N else 1)  # (a bad n: the engine's error row)
+                if not missing:
+                    continue
+                if len(missing) < n:  # an earlier run finished some of its samples
+                    request[SAMPLES_KEY] = missing
+                if len(missing) > 1:
+                    samples_left[row.index] = len(missing)
+                if native_to_openai:
+                    request.setdefault("url", CHAT_URL if "messages" in request else COMPLETIONS_URL)
+                yield request
 
         on_generation(True)
         try:
@@ -176,9 +195,9 @@ def run_job(
         generated_tokens = stats.get("output_tokens")
 
         def metadata(totals: Totals) -> dict:
-            if totals.rows != rows_total:
+            if totals.requests != rows_total:
                 raise JobError(
-                    f"{rows_total - totals.rows} rows of the input have no result (an engine bug?); "
+                    f"{rows_total - totals.requests} rows of the input have no result (an engine bug?); "
                     f"rerun the same command to generate them"
                 )
             meta = dict(llm.describe())
@@ -192,6 +211,7 @@ def run_job(
                 rows_resumed=rows_resumed,
                 prompt_tokens=totals.prompt_tokens,
                 output_tokens=totals.output_tokens,
+                **prefix_cache_totals(totals),
                 wall_seconds=round(time.monotonic() - started, 3),
                 generation_seconds=generation_seconds,
                 generated_output_tokens=generated_tokens,

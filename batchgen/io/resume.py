@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.io.sinks import list_parts, read_row_indices, write_atomically
+from batchgen.io.sinks import list_parts, read_row_keys, write_atomically
 
 log = logging.getLogger("batchgen")
 
@@ -102,23 +102,19 @@ class WorkDir:
             else:
                 entry.unlink()
 
-    def done_rows(self) -> np.ndarray:
-        """A boolean mask over row indices: True where a part already holds the row.
+    def done_rows(self) -> DoneRows:
+        """What the parts hold already, per input row.
 
         A part that cannot be read (it should not happen: parts are renamed into place only once
         complete) is set aside as `*.corrupt` and its rows are generated again."""
-        done = np.zeros(0, dtype=bool)
+        found = []
         for part in list_parts(self.path):
             try:
-                indices = read_row_indices(part)
+                found.append(read_row_keys(part))
             except (OSError, pa.ArrowException) as e:
                 log.warning("set aside unreadable part %s (%s); its rows will be generated again", part.name, e)
                 part.rename(part.with_name(part.name + ".corrupt"))
-                continue
-            if len(indices) and indices.max() >= len(done):
-                done = np.concatenate([done, np.zeros(indices.max() + 1 - len(done), dtype=bool)])
-            done[indices] = True
-        return done
+        return DoneRows(*(np.concatenate(c) for c in zip(*found)) if found else ())
 
     def remove(self) -> None:
         """Deletes the work directory (the job is complete)."""
@@ -129,3 +125,41 @@ class WorkDir:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+class DoneRows:
+    """The results an earlier run saved: per input row index, which of its samples are done. A row
+    is done when all its n samples are, or when it has an error result (one for the whole row)."""
+
+    def __init__(self, indices=None, samples=None, errors=None) -> None:
+        if indices is None:
+            indices = samples = np.zeros(0, dtype=np.int64)
+            errors = np.zeros(0, dtype=bool)
+        size = int(indices.max()) + 1 if len(indices) else 0
+        self.any = np.zeros(size, dtype=bool)  # rows with some result
+        self.any[indices] = True
+        self.failed = np.zeros(size, dtype=bool)  # rows with an error result
+        self.failed[indices[errors]] = True
+        # the samples done of rows with a sample other than 0 (the few rows of n > 1 jobs: a dict)
+        self.samples: dict[int, set[int]] = {}
+        several = np.zeros(size, dtype=bool)
+        several[indices[samples > 0]] = True
+        for index, sample in zip(indices[several[indices]].tolist(), samples[several[indices]].tolist()):
+            self.samples.setdefault(index, set()).add(sample)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows with at least one result."""
+        return int(self.any.sum())
+
+    def has_any(self, index: int) -> bool:
+        return index < len(self.any) and bool(self.any[index])
+
+    def missing(self, index: int, n: int) -> list[int]:
+        """Sample indices of row `index` (of n samples) still to generate; [] when it is done."""
+        if not self.has_any(index):
+            return list(range(n))
+        if self.failed[index]:
+            return []
+        done = self.samples.get(index, {0})
+        return [i for i in range(n) if i not in done]

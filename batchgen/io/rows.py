@@ -19,7 +19,7 @@ from batchgen.schema import KNOWN_FIELDS, FieldError, check_options, check_promp
 
 # Columns every output row has, in file order after `id` and the carried-through columns.
 OUTPUT_FIELDS = (
-    "text", "output_token_ids", "finish_reason", "error",
+    "sample_index", "text", "output_token_ids", "finish_reason", "error",
     "prompt_tokens", "completion_tokens", "cached_prompt_tokens", "num_preemptions",
     "queue_s", "ttft_s", "prefill_s", "decode_s", "e2e_s", "decode_tokens_per_s",
 )

@@ -30,9 +30,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.io.rows import OUTPUT_FIELDS, ROW_KEY
+from batchgen.sampling_params import MAX_N
 from batchgen.schema import KNOWN_FIELDS, OUTPUT_OPTIONS
 
 OUTPUT_TYPES: dict[str, pa.DataType] = {
+    "sample_index": pa.int64(),
     "text": pa.string(),
     "output_token_ids": pa.list_(pa.int32()),
     "finish_reason": pa.string(),
@@ -295,7 +297,7 @@ class PartWriter:
 # --- the final file -----------------------------------------------------------------------------
 
 
-TOTALS_COLUMNS = ("finish_reason", "prompt_tokens", "completion_tokens", "e2e_s", "ttft_s")
+TOTALS_COLUMNS = ("finish_reason", "prompt_tokens", "completion_tokens", "cached_prompt_tokens", "e2e_s", "ttft_s")
 
 
 @dataclass
@@ -305,7 +307,9 @@ class Totals:
     rows: int = 0
     rows_ok: int = 0
     rows_error: int = 0
+    requests: int = 0  # input rows answered (a row with n samples has n output rows)
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, reused from the prefix cache
     output_tokens: int = 0
     e2e_s: list = field(default_factory=list)  # numpy chunks, ok rows only
     ttft_s: list = field(default_factory=list)
@@ -317,6 +321,7 @@ class Totals:
         self.rows_error += n_error
         self.rows_ok += table.num_rows - n_error
         self.prompt_tokens += pc.sum(table.column("prompt_tokens")).as_py() or 0
+        self.cached_prompt_tokens += pc.sum(table.column("cached_prompt_tokens")).as_py() or 0
         self.output_tokens += pc.sum(table.column("completion_tokens")).as_py() or 0
         ok = table.filter(pc.invert(errors))
         for name, chunks in (("e2e_s", self.e2e_s), ("ttft_s", self.ttft_s)):
@@ -333,32 +338,54 @@ class Totals:
         return {"p50": float(p50), "p95": float(p95)}
 
 
-def read_row_indices(part: Path) -> np.ndarray:
-    return pq.read_table(part, columns=[ROW_KEY]).column(ROW_KEY).to_numpy()
+def prefix_cache_totals(totals: Totals) -> dict:
+    """The job metadata's prefix cache figures: prompt tokens reused, and their share of all."""
+    rate = totals.cached_prompt_tokens / totals.prompt_tokens if totals.prompt_tokens else 0.0
+    return {"cached_prompt_tokens": totals.cached_prompt_tokens, "prefix_cache_hit_rate": round(rate, 4)}
+
+
+def read_row_keys(part: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A part's (input row index, sample_index, is an error row) per output row."""
+    names = pq.read_schema(part).names
+    columns = [ROW_KEY, "finish_reason"] + (["sample_index"] if "sample_index" in names else [])
+    table = pq.read_table(part, columns=columns)
+    indices = table.column(ROW_KEY).to_numpy()
+    samples = (table.column("sample_index").fill_null(0).to_numpy().clip(0, MAX_N - 1) if "sample_index" in names
+               else np.zeros(len(indices), dtype=np.int64))
+    errors = pc.equal(table.column("finish_reason"), "error").fill_null(False).to_numpy(zero_copy_only=False)
+    return indices, samples, errors
 
 
 def merge_parts(workdir: Path, output: Path, layout: Layout, metadata, should_stop=lambda: False) -> Totals:
-    """Streams every part into `output`, each input row at most once, then renames it into place.
+    """Streams every part into `output`, each (input row, sample_index) at most once, then renames
+    it into place.
 
-    Two passes over the parts: the first reads only the columns that the totals need and decides
-    which rows to keep, so that `metadata(totals)` (the `batchgen` key) can go into the schema
-    before the second pass copies the rows in row groups of up to FINAL_ROW_GROUP_ROWS rows."""
+    First the parts' keys decide which rows to keep (the first of each key), then one pass reads
+    only the columns that the totals need, so that `metadata(totals)` (the `batchgen` key) can go
+    into the schema before the last pass copies the rows in row groups of up to
+    FINAL_ROW_GROUP_ROWS rows."""
     parts = list_parts(workdir)
     schema = layout.final_schema([pq.read_schema(p) for p in parts])
     totals = Totals()
-    written = np.zeros(0, dtype=bool)
-    keep_masks: list[np.ndarray | None] = []
+    keys, sizes = [], []
     for part in parts:
         if should_stop():
             raise KeyboardInterrupt
-        table = pq.read_table(part, columns=[ROW_KEY, *TOTALS_COLUMNS])
-        indices = table.column(ROW_KEY).to_numpy()
-        if len(indices) and indices.max() >= len(written):
-            written = np.concatenate([written, np.zeros(indices.max() + 1 - len(written) + 1024, dtype=bool)])
-        first = np.zeros(len(indices), dtype=bool)
-        first[np.unique(indices, return_index=True)[1]] = True
-        keep = first & ~written[indices]
-        written[indices[keep]] = True
+        indices, samples, _ = read_row_keys(part)
+        keys.append(indices.astype(np.int64) * MAX_N + samples)  # one int64 per (row, sample)
+        sizes.append(len(indices))
+    every = np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)
+    first = np.zeros(len(every), dtype=bool)
+    first[np.unique(every, return_index=True)[1]] = True
+    totals.requests = len(np.unique(every[first] // MAX_N))
+    keep_masks: list[np.ndarray | None] = []
+    for part, keep in zip(parts, np.split(first, np.cumsum(sizes)[:-1]) if parts else []):
+        if should_stop():
+            raise KeyboardInterrupt
+        table = pq.read_table(part, columns=[c for c in TOTALS_COLUMNS if c in pq.read_schema(part).names])
+        for name in TOTALS_COLUMNS:  # (cached_prompt_tokens: absent from the parts of older versions)
+            if name not in table.column_names:
+                table = table.append_column(name, pa.nulls(table.num_rows, pa.int64()))
         keep_masks.append(None if keep.all() else keep)
         totals.add(table if keep.all() else table.filter(pa.array(keep)))
 

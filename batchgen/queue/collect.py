@@ -1,9 +1,9 @@
 """`batchgen collect`: a job's result stream into the same Parquet file as `batchgen run` writes.
 
 Reads the result stream from its start (XREAD, no consumer group: collecting never changes what
-workers see, and can be repeated), keeps the first result of each row, and when every row of the job
-has one, writes the file through the Parquet sink (part files in a temporary directory beside OUTPUT,
-merged and renamed into place). A row can be answered twice (by a worker that wrote its result just
+workers see, and can be repeated), keeps the first result of each row (of each sample of a row of n
+samples), and when every row of the job has them, writes the file through the Parquet sink (part
+files in a temporary directory beside OUTPUT, merged and renamed into place). A row can be answered twice (by a worker that wrote its result just
 before a restart lost the acknowledgement); the second answer is counted and dropped.
 """
 
@@ -25,8 +25,9 @@ import redis
 from batchgen.io.openai_output import write_openai_output
 from batchgen.io.resume import JobError
 from batchgen.io.rows import ROW_KEY
-from batchgen.io.sinks import Layout, PartWriter, Totals, merge_parts
+from batchgen.io.sinks import Layout, PartWriter, Totals, merge_parts, prefix_cache_totals
 from batchgen.queue.protocol import Backoff, Keys, is_retryable, text
+from batchgen.sampling_params import MAX_N
 from batchgen.version import __version__
 
 log = logging.getLogger("batchgen.collect")
@@ -91,6 +92,7 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.collect-", dir=output.parent) as tmp:
         writer = PartWriter(Path(tmp), layout, flush_rows=1000, flush_seconds=float("inf"))
         done = np.zeros(rows, dtype=bool)
+        partial: dict[int, set] = {}  # rows of several samples with some of their results: sample indices seen
         have = 0
         extra_keys: set[str] = set()
         last_id = "0-0"
@@ -126,8 +128,19 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
                         if done[index]:
                             result.duplicates += 1
                             continue
-                        done[index] = True
-                        have += 1
+                        samples = int(fields["samples"]) if (fields.get("samples") or "").isdigit() else 1
+                        sample = row.get("sample_index")
+                        if isinstance(sample, bool) or not isinstance(sample, int) or not 0 <= sample < MAX_N:
+                            sample = row["sample_index"] = 0  # (another producer's result)
+                        got = partial.setdefault(index, set())
+                        if sample in got:
+                            result.duplicates += 1
+                            continue
+                        got.add(sample)
+                        if len(got) >= samples:  # the row is done once every sample's result is here
+                            del partial[index]
+                            done[index] = True
+                            have += 1
                         row[ROW_KEY] = index
                     else:
                         key = fields.get("request") or last_id
@@ -152,7 +165,7 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
                 job=job, prefix=keys.prefix, input=info.get("input"), batchgen_version=__version__,
                 workers=sorted(workers), rows=totals.rows, rows_ok=totals.rows_ok, rows_error=totals.rows_error,
                 rows_extra=result.extra, duplicates_dropped=result.duplicates, prompt_tokens=totals.prompt_tokens,
-                output_tokens=totals.output_tokens, job_seconds=round(job_seconds, 3),
+                output_tokens=totals.output_tokens, **prefix_cache_totals(totals), job_seconds=round(job_seconds, 3),
                 output_tokens_per_s=round(totals.output_tokens / job_seconds, 2) if job_seconds > 0 else None,
                 wall_seconds=round(time.monotonic() - started, 3),
                 e2e_s=totals.percentiles("e2e_s"), ttft_s=totals.percentiles("ttft_s"),

@@ -33,6 +33,12 @@ class WorkerMetrics:
         self.prompt_tokens = Counter("batchgen:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("batchgen:generation_tokens", "Generated tokens of finished requests.",
                                          registry=r)
+        self.prefix_cache_queries = Counter("batchgen:prefix_cache_queries",
+                                            "Prompt tokens of finished requests looked up in the prefix cache.",
+                                            registry=r)
+        self.prefix_cache_hits = Counter("batchgen:prefix_cache_hits",
+                                         "Of them, tokens found in the prefix cache (not computed again).",
+                                         registry=r)
         self.request_success = Counter("batchgen:request_success", "Finished requests, by finish reason.",
                                        ["finished_reason"], registry=r)
         self.ttft = Histogram("batchgen:time_to_first_token_seconds", "Time to first token.",
@@ -54,6 +60,8 @@ class WorkerMetrics:
         self.request_success.labels(finished_reason=reason).inc()
         self.prompt_tokens.inc(row.get("prompt_tokens") or 0)
         self.generation_tokens.inc(row.get("completion_tokens") or 0)
+        self.prefix_cache_queries.inc(row.get("prompt_tokens") or 0)
+        self.prefix_cache_hits.inc(row.get("cached_prompt_tokens") or 0)
         for histogram, key in ((self.ttft, "ttft_s"), (self.e2e, "e2e_s"), (self.queue_time, "queue_s")):
             if isinstance(row.get(key), (int, float)):
                 histogram.observe(row[key])

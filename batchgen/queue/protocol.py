@@ -201,9 +201,12 @@ def request_id_of(message: Message) -> Any:
     return message.index
 
 
-def encode_result(message_id: str, index: int | None, worker: str, result: dict) -> list[str]:
-    """The result stream entry, as the flat field/value list the scripts take."""
+def encode_result(message_id: str, index: int | None, worker: str, result: dict, samples: int = 1) -> list[str]:
+    """The result stream entry, as the flat field/value list the scripts take. samples: how many
+    entries answer the message (a row with n samples: n, one per sample_index)."""
     fields = ["request", message_id, "worker", worker, "result", to_json(result)]
+    if samples != 1:
+        fields += ["samples", str(samples)]
     if index is not None:
         fields = ["index", str(index), *fields]
     return fields
@@ -219,22 +222,25 @@ def encode_dead_letter(message: Message, reason: str, deliveries: int | None, wo
 
 # --- server-side scripts ------------------------------------------------------------------------
 
-# Writes a message's result (and/or its dead-letter copy), then acknowledges and deletes it, in one
-# atomic step and only while the message is still pending in the group. A message that another
-# worker has already answered is no longer pending, so a late second answer (a slow worker whose
-# message was reclaimed) is dropped here: the result stream holds one result per message.
+# Writes a message's results (one per sample; none or one for most) and/or its dead-letter copy,
+# then acknowledges and deletes it, in one atomic step and only while the message is still pending
+# in the group. A message that another worker has already answered is no longer pending, so a late
+# second answer (a slow worker whose message was reclaimed) is dropped here: the result stream holds
+# one answer per message.
 #   KEYS: request stream, result stream, dead-letter stream
-#   ARGV: group, message id, n, n result field/value items, then dead-letter field/value items
+#   ARGV: group, message id, m, then m times (c, c result field/value items), then dead-letter items
 FINISH = """
 if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then
   return 0
 end
-local n = tonumber(ARGV[3])
-if n > 0 then
-  redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4, 3 + n))
+local i = 4
+for _ = 1, tonumber(ARGV[3]) do
+  local c = tonumber(ARGV[i])
+  redis.call('XADD', KEYS[2], '*', unpack(ARGV, i + 1, i + c))
+  i = i + 1 + c
 end
-if #ARGV > 3 + n then
-  redis.call('XADD', KEYS[3], '*', unpack(ARGV, 4 + n, #ARGV))
+if #ARGV >= i then
+  redis.call('XADD', KEYS[3], '*', unpack(ARGV, i, #ARGV))
 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])

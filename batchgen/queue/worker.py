@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterator
 import redis
 
 from batchgen.queue.metrics import WorkerMetrics
-from batchgen.schema import error_result
+from batchgen.sampling_params import MAX_N
+from batchgen.schema import FieldError, as_int, error_result
 from batchgen.queue.protocol import (
     DELETE_IDLE_CONSUMER, FATAL, FINISH, GROUP, TOUCH, Backoff, Keys, Message, decode_request, encode_dead_letter,
     encode_result, ensure_group, request_id_of, text, to_json,
@@ -67,7 +68,7 @@ class WorkerConfig:
 @dataclass
 class _Answer:
     message: Message
-    fields: list[str]  # the result stream entry; empty for a message without a job
+    entries: list[list[str]]  # the result stream entries (one per sample); none for a message without a job
     dead: list[str] | None  # the dead-letter stream entry, if it goes there
     error: bool  # an error result
 
@@ -92,7 +93,8 @@ class Worker:
 
         self.buffer: deque[Message] = deque()  # taken from the stream, not yet handed to the engine
         self.last_chance: deque[Message] = deque()  # ditto, on their last delivery: they run alone
-        self.in_flight: dict[str, Message] = {}  # handed to the engine, no result yet
+        self.in_flight: dict[str, Message] = {}  # handed to the engine, not every result yet
+        self.samples_done: dict[str, list[dict]] = {}  # results so far of in-flight messages of n > 1
         self.unsent: deque[_Answer] = deque()  # answered, not yet written (Redis was away)
         self._alone: str | None = None  # the message running alone in the engine
         self._owned: set[str] = set()  # ids of all of the above: pending for this worker
@@ -150,6 +152,7 @@ class Worker:
                               extra={"event": "engine_failure", "requests": len(self.in_flight)})
                     self._give_back(list(self.in_flight), tried=True)
                     self.in_flight.clear()
+                    self.samples_done.clear()
                     self.metrics.in_flight.set(0)
                     self._alone = None
                     if failures_in_a_row >= 2 * self.config.max_deliveries:
@@ -245,7 +248,7 @@ class Worker:
             self.metrics.malformed.inc()
             log.warning("malformed message %s of job %s: %s", message.msg_id, message.job, message.error,
                         extra={"event": "malformed", "message_id": message.msg_id, "job": message.job})
-            self._answer(message, error_result(request_id_of(message), f"malformed message: {message.error}"))
+            self._answer(message, [error_result(request_id_of(message), f"malformed message: {message.error}")])
         elif deliveries >= self.config.max_deliveries and deliveries > 1:
             self.last_chance.append(message)
         else:
@@ -254,22 +257,40 @@ class Worker:
     # --- results ------------------------------------------------------------------------------------
 
     def _on_result(self, result: dict) -> None:
-        message = self.in_flight.pop(result.pop(MSG_KEY, None), None)
-        self.metrics.in_flight.set(len(self.in_flight))
+        msg_id = result.pop(MSG_KEY, None)
+        message = self.in_flight.get(msg_id)
         if message is None:
             log.error("the engine returned a result for no message of this worker (id %r); dropped", result.get("id"))
             return
         row = _output_row(result)
         self.metrics.observe(row)
-        self._answer(message, row)
+        rows = self.samples_done.setdefault(msg_id, [])
+        rows.append(row)
+        if row.get("finish_reason") != "error" and len(rows) < self._samples_of(message):
+            return  # the message is answered with all its samples at once
+        del self.in_flight[msg_id], self.samples_done[msg_id]
+        self.metrics.in_flight.set(len(self.in_flight))
+        self._answer(message, rows)
 
-    def _answer(self, message: Message, row: dict) -> None:
+    def _samples_of(self, message: Message) -> int:
+        """Results the engine gives for a message: its request's n (the job's when it has none)."""
         try:
-            fields = encode_result(message.msg_id, message.index, self.config.consumer, row)
-        except (TypeError, ValueError) as e:  # a value JSON cannot hold
-            fields = encode_result(message.msg_id, message.index, self.config.consumer,
-                                   error_result(row.get("id"), f"the result could not be encoded as JSON: {e}"))
-        self.unsent.append(_Answer(message, fields, None, row.get("finish_reason") == "error"))
+            n = message.request.get("n")
+            n = as_int("n", n) if n is not None else getattr(self.sampling, "n", 1)
+        except FieldError:
+            return 1  # the engine answers it with one error row
+        return n if 1 <= n <= MAX_N else 1
+
+    def _answer(self, message: Message, rows: list[dict]) -> None:
+        entries = []
+        for row in rows:
+            try:
+                entries.append(encode_result(message.msg_id, message.index, self.config.consumer, row, len(rows)))
+            except (TypeError, ValueError) as e:  # a value JSON cannot hold
+                bad = error_result(row.get("id"), f"the result could not be encoded as JSON: {e}")
+                bad["sample_index"] = row.get("sample_index", 0)
+                entries.append(encode_result(message.msg_id, message.index, self.config.consumer, bad, len(rows)))
+        self.unsent.append(_Answer(message, entries, None, any(r.get("finish_reason") == "error" for r in rows)))
         self._send_unsent()
 
     def _dead_letter(self, message: Message, reason: str, deliveries: int | None) -> None:
@@ -278,11 +299,11 @@ class Worker:
         log.warning("dead letter %s (job %s): %s", message.msg_id, message.job, reason,
                     extra={"event": "dead_letter", "message_id": message.msg_id, "job": message.job, "reason": reason})
         dead = encode_dead_letter(message, reason, deliveries, self.config.consumer)
-        fields = []
+        entries = []
         if message.job is not None:
             row = error_result(request_id_of(message), f"{reason}; the message is in {self.keys.dead}")
-            fields = encode_result(message.msg_id, message.index, self.config.consumer, row)
-        self.unsent.append(_Answer(message, fields, dead, message.job is not None))
+            entries.append(encode_result(message.msg_id, message.index, self.config.consumer, row))
+        self.unsent.append(_Answer(message, entries, dead, message.job is not None))
         self._send_unsent()
 
     def _send_unsent(self) -> None:
@@ -296,7 +317,8 @@ class Worker:
                 written = self._call(
                     self._finish,
                     keys=[self.keys.requests, self.keys.results(job) if job else self.keys.dead, self.keys.dead],
-                    args=[GROUP, message.msg_id, len(answer.fields), *answer.fields, *(answer.dead or [])],
+                    args=[GROUP, message.msg_id, len(answer.entries),
+                          *(item for entry in answer.entries for item in (len(entry), *entry)), *(answer.dead or [])],
                 )
             except _Unavailable:
                 return
@@ -304,7 +326,7 @@ class Worker:
             with self._owned_lock:
                 self._owned.discard(message.msg_id)
             if written:
-                self.counts["results"] += bool(answer.fields)
+                self.counts["results"] += bool(answer.entries)
                 self.counts["errors"] += answer.error
             else:
                 self.counts["superseded"] += 1

@@ -22,3 +22,19 @@ def test_default_model_knows_the_capital_of_france():
     result = llm.generate_list([question], SamplingParams(temperature=0, max_tokens=24))[0]
     assert "Paris" in result["text"], result
     assert result["finish_reason"] == "stop"  # it ends its answer with <|im_end|>, its EOS
+
+
+def test_prefix_cache_gives_the_same_greedy_answers():
+    """Chat rows behind one system prompt (the chat template's header and the system turn shared),
+    one prompt twice: fp32, cache on and off."""
+    system = {"role": "system", "content": "You are a terse geography tutor. Answer in one short sentence."}
+    questions = ["What is the capital of France?", "What is the capital of Italy?", "Name a river in Germany.",
+                 "What is the capital of France?"]
+    rows = [{"id": i, "messages": [system, {"role": "user", "content": q}]} for i, q in enumerate(questions)]
+    sampling = SamplingParams(temperature=0, max_tokens=10)
+    options = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
+    on = LLM(**options).generate_list(rows, sampling)
+    off = LLM(**options, enable_prefix_caching=False).generate_list(rows, sampling)
+    assert [r["output_token_ids"] for r in on] == [r["output_token_ids"] for r in off]
+    assert min(r["cached_prompt_tokens"] for r in on[1:]) > 10  # the header and the system turn
+    assert on[3]["cached_prompt_tokens"] == on[3]["prompt_tokens"] - 1  # the repeated prompt

@@ -37,7 +37,7 @@ def generate(model_dir, tp, rows, sampling=GREEDY, device=DEVICE, **options):
     llm = LLM(str(model_dir), dtype="float32", device=device, tensor_parallel_size=tp, **options)
     try:
         results = llm.generate_list(rows, sampling)
-        assert llm.engine.kv.num_free == llm.engine.kv.num_slots  # every slot back in the pool
+        assert llm.engine.kv.num_available == llm.engine.kv.num_slots  # every slot free or only cached
         return results
     finally:
         llm.close()
@@ -70,6 +70,19 @@ def assert_tp_matches(model_dir, **options):
 def test_squeezed_settings_match_tp1(kind, tiny_model):
     results = assert_tp_matches(tiny_model(kind), **SQUEEZED)
     assert sum(r["num_preemptions"] for r in results) > 0
+
+
+def test_prefix_cache_matches_tp1(tiny_model):
+    """Rows sharing prefixes of every length, squeezed: the cached prefixes' token-table writes
+    reach every rank."""
+    from tests.engine.test_prefix_caching import shared_prefix_rows
+
+    model_dir, rows = tiny_model("qwen3"), shared_prefix_rows()
+    single = generate(model_dir, 1, rows, **SQUEEZED)
+    double = generate(model_dir, 2, rows, **SQUEEZED)
+    assert_same_tokens(model_dir, rows, single, double)
+    assert [r["cached_prompt_tokens"] for r in single] == [r["cached_prompt_tokens"] for r in double]
+    assert sum(r["cached_prompt_tokens"] for r in double) > 0
 
 
 def test_sampling_and_logprobs_match_tp1(tiny_model):
