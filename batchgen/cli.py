@@ -181,6 +181,12 @@ SAMPLING_OPTIONS = (
             help="Samples of each prompt: n output rows (sample_index 0..n-1), the prompt computed once."),
     _option("seed", int, 0, panel=SAMPLING,
             help="Job seed: a row without its own seed gets one derived from (seed, id)."),
+    _option("response_format", Optional[str], None, panel=SAMPLING, metavar="JSON",
+            help='Constrain every row that has no constraint of its own, OpenAI\'s form: '
+                 '\'{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}\' or \'{"type": "json_object"}\'.'),
+    _option("structured_outputs", Optional[str], None, panel=SAMPLING, metavar="JSON",
+            help='Likewise, vLLM\'s form: one of \'{"json": {...}}\', \'{"regex": ...}\', \'{"choice": [...]}\', '
+                 '\'{"grammar": EBNF}\'.'),
 )
 QUEUE_OPTIONS = (
     _option("redis_url", str, ..., panel=QUEUE, show_default=False, metavar="URL",
@@ -240,9 +246,16 @@ def _engine_setup(options: dict) -> _EngineSetup:
     try:
         sampling = SamplingParams(max_tokens=o["max_tokens"], min_tokens=o["min_tokens"], temperature=o["temperature"],
                                   top_p=o["top_p"], top_k=o["top_k"], stop=list(o["stop"] or []),
-                                  ignore_eos=o["ignore_eos"], n=o["n"])
+                                  ignore_eos=o["ignore_eos"], n=o["n"], response_format=o["response_format"],
+                                  structured_outputs=o["structured_outputs"])
     except ValueError as e:
-        raise _UsageError(f"invalid sampling default: {e}") from None
+        message = str(e)
+        if message.startswith("both response_format"):
+            message = "both --response-format and --structured-outputs given: use one of them"
+        for name in ("response_format", "structured_outputs"):  # name them as options
+            if message.startswith(name):
+                message = "--" + name.replace("_", "-") + message[len(name):]
+        raise _UsageError(f"invalid sampling default: {message}") from None
     engine_options = dict(
         dtype=o["dtype"].value, device=o["device"].value, tensor_parallel_size=o["tensor_parallel_size"],
         max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
@@ -259,6 +272,7 @@ def _engine_setup(options: dict) -> _EngineSetup:
         "max_tokens": o["max_tokens"], "min_tokens": o["min_tokens"], "temperature": o["temperature"],
         "top_p": o["top_p"], "top_k": sampling.top_k, "stop": sampling.stop, "ignore_eos": o["ignore_eos"],
         **({"n": o["n"]} if o["n"] != 1 else {}),  # (absent for n=1: the fingerprints of earlier runs hold)
+        **({"structured": list(sampling.structured.key)} if sampling.structured is not None else {}),
     }
     return _EngineSetup(o["model"], engine_options, sampling, settings)
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
+
+from batchgen.schema import StructuredSpec, check_structured
 
 
 MAX_N = 1024  # samples of one prompt: each is a sequence of its own, built when the row is read
@@ -21,8 +24,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # samples of the prompt: n output rows, the prompt's KV shared by all
+    # the job's decoding constraint, for rows that give neither field (a row's own wins; its
+    # response_format {"type": "text"} turns it off): OpenAI's and vLLM's forms, as in a row
+    response_format: Any = None
+    structured_outputs: Any = None
 
     def __post_init__(self):
+        self.structured: StructuredSpec | None = check_structured(
+            {"response_format": self.response_format, "structured_outputs": self.structured_outputs}
+        )  # a FieldError (a ValueError) names the field
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:

@@ -3,22 +3,30 @@ input row and the checks of their types (one place for both the Python API and t
 output row of a request that failed."""
 from __future__ import annotations
 
+import json
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # exactly one per row
 SAMPLING_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
 )
-OUTPUT_OPTIONS = ("logprobs", "prompt_logprobs")  # opt-in: return log-probabilities
+LOGPROB_OPTIONS = ("logprobs", "prompt_logprobs")  # opt-in booleans: return log-probabilities
+# opt-in output columns, each named after the row field that asks for it (top_logprobs: k, 0-20)
+OUTPUT_OPTIONS = (*LOGPROB_OPTIONS, "top_logprobs")
+STRUCTURED_FIELDS = ("response_format", "structured_outputs")  # at most one: constrained decoding
 # Which of a request's n samples to generate (all when absent): set by a resumed job for a row
 # whose other samples an earlier run finished.
 SAMPLES_KEY = "__batchgen_samples__"
-KNOWN_FIELDS = ("id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *OUTPUT_OPTIONS, SAMPLES_KEY)  # the rest is carried through
+KNOWN_FIELDS = (  # the rest is carried through
+    "id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *OUTPUT_OPTIONS, *STRUCTURED_FIELDS, SAMPLES_KEY,
+)
 METRIC_FIELDS = ("queue_s", "ttft_s", "prefill_s", "decode_s", "e2e_s", "decode_tokens_per_s")
 INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "n")
 FLOAT_FIELDS = ("temperature", "top_p")
-BOOL_FIELDS = ("ignore_eos", *OUTPUT_OPTIONS)
+BOOL_FIELDS = ("ignore_eos", *LOGPROB_OPTIONS)
+MAX_TOP_LOGPROBS = 20
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")  # vLLM's structured_outputs keys
 
 
 class FieldError(ValueError):
@@ -95,8 +103,8 @@ def check_prompt(row: dict) -> dict:
 
 
 def check_options(row: dict) -> dict:
-    """The row's non-null sampling fields and output options, type-checked (value ranges are
-    SamplingParams' to check) -> {field: value}."""
+    """The row's non-null sampling fields, output options and constraint, type-checked (value
+    ranges are SamplingParams' to check) -> {field: value}, itself a row that passes again."""
     fields: dict[str, Any] = {}
     for name in INT_FIELDS:
         if row.get(name) is not None:
@@ -120,7 +128,95 @@ def check_options(row: dict) -> dict:
             if not isinstance(row[name], bool):
                 raise FieldError(f"{name} must be true or false, got {type_name(row[name])}")
             fields[name] = row[name]
+    if row.get("top_logprobs") is not None:
+        k = as_int("top_logprobs", row["top_logprobs"])
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise FieldError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
+        fields["top_logprobs"] = k
+    if check_structured(row) is not None:  # (the spec itself is check_structured's, for the engine)
+        field = next(f for f in STRUCTURED_FIELDS if row.get(f) is not None)
+        fields[field] = row[field]
     return fields
+
+
+class StructuredSpec(NamedTuple):
+    """A decoding constraint in one canonical form: equal specs compile once per job.
+    kind: json (source: a JSON schema's canonical text, or "" for any JSON object), regex,
+    choice (source: the choices as a JSON list), grammar (EBNF). field: the row field it came from."""
+
+    kind: str
+    source: str
+    field: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.source
+
+
+def _json_value(name: str, value: Any, want: type, what: str) -> Any:
+    """A value that may also come as its JSON text (a string column of a Parquet file)."""
+    if isinstance(value, str) and want is not str:
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise FieldError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, want):
+        raise FieldError(f"{name} must be {what}, got {type_name(value)}")
+    return value
+
+
+def _schema_text(name: str, schema: Any) -> str:
+    schema = _json_value(name, schema, dict, "a JSON schema object (or its JSON text)")
+    # the order of properties is the order they are generated in: keep it
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def check_structured(row: dict) -> StructuredSpec | None:
+    """The row's decoding constraint, type-checked (compiling it is the engine's) -> a spec, or None
+    for unconstrained. response_format is OpenAI's form, structured_outputs vLLM's."""
+    present = [f for f in STRUCTURED_FIELDS if row.get(f) is not None]
+    if len(present) > 1:
+        raise FieldError("both response_format and structured_outputs given: a row takes one of them")
+    if not present:
+        return None
+    field = present[0]
+    value = _json_value(field, row[field], dict, "an object (or its JSON text)")
+    # A Parquet struct column gives every row every key; unset ones come back as None.
+    value = {k: v for k, v in value.items() if v is not None}
+    if field == "response_format":
+        kind = value.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredSpec("json", "", field)
+        if kind != "json_schema":
+            raise FieldError(
+                f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+            )
+        spec = _json_value("response_format.json_schema", value.get("json_schema"), dict,
+                           "an object with a schema")
+        if spec.get("schema") is None:
+            raise FieldError("response_format.json_schema.schema is missing")
+        return StructuredSpec("json", _schema_text("response_format.json_schema.schema", spec["schema"]), field)
+    kinds = [k for k in STRUCTURED_KINDS if k in value]
+    unknown = sorted(set(value) - set(STRUCTURED_KINDS))
+    if unknown:
+        raise FieldError(f"structured_outputs has unknown key {unknown[0]!r}; use one of {', '.join(STRUCTURED_KINDS)}")
+    if len(kinds) != 1:
+        raise FieldError(f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KINDS)}, got {len(kinds)}")
+    kind = kinds[0]
+    name = f"structured_outputs.{kind}"
+    if kind == "json":
+        return StructuredSpec("json", _schema_text(name, value["json"]), field)
+    if kind == "choice":
+        choices = _json_value(name, value["choice"], (list, tuple), "a list of strings")
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise FieldError(f"{name} must be a non-empty list of non-empty strings")
+        return StructuredSpec("choice", json.dumps(list(choices)), field)
+    text = value[kind]
+    if not isinstance(text, str) or not text:
+        raise FieldError(f"{name} must be a non-empty string, got {type_name(text)}")
+    return StructuredSpec(kind, text, field)
 
 
 def error_result(row_id, message: str, extras: dict | None = None) -> dict:

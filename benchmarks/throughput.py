@@ -12,6 +12,13 @@ before either existed. --compare-cache-off adds a cache-off run to any other wor
 
 GPU busy is the mean of NVML's utilization samples (the share of time a kernel was running) taken
 every 50 ms during batchgen's run.
+
+W-json is W-short's requests (lengths, token-id prompts) with max_tokens 64 and a small JSON schema on
+every row (response_format); it is compared with the same requests unconstrained, each row's
+max_tokens set to what it generated under the schema (rows end when their grammar completes), so
+both runs generate the same tokens. Its line adds the unconstrained run, their ratio and the host
+time per constrained step spent filling token masks and accepting the sampled tokens (while the GPU
+runs the step's forward).
 """
 from __future__ import annotations
 
@@ -47,9 +54,14 @@ WORKLOADS = {
     "W-decode1": (1, (128, 128), (1024, 1024)),
     "W-prefix": (2048, (32, 256), (16, 128)),  # + a shared 1,024-token system prompt in front of every row
     "W-n": (256, (100, 1024), (100, 512)),  # n = 8 samples of each prompt
+    "W-json": (2048, (32, 256), (64, 64)),
 }
 SYSTEM_PROMPT_TOKENS = 1024  # W-prefix
 SAMPLES = 8  # W-n
+# W-json's schema: a label from 5 and a confidence
+JSON_SCHEMA = {"type": "object", "properties": {
+    "label": {"enum": ["alpha", "beta", "gamma", "delta", "epsilon"]}, "confidence": {"type": "number"}},
+    "required": ["label", "confidence"]}
 
 
 def build_model(name: str, root: Path) -> Path:
@@ -83,6 +95,9 @@ def make_requests(workload: str, vocab: int) -> list[dict]:
     ]
     if workload == "W-n":
         requests = [{**r, "n": SAMPLES} for r in requests]
+    if workload == "W-json":
+        format = {"type": "json_schema", "json_schema": {"name": "label", "schema": JSON_SCHEMA}}
+        requests = [{**r, "response_format": format} for r in requests]
     return requests
 
 
@@ -126,23 +141,34 @@ class GpuBusy:
 def run_batchgen(model_dir: Path, requests: list[dict], temperature: float, tp: int = 1, **options) -> dict:
     llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp, **options)
     params = SamplingParams(temperature=temperature, ignore_eos=True)
-    llm.generate_list([{**r, "n": 1} for r in requests[:2]], params)  # warm-up: kernels compiled, allocator primed
+    # warm-up: kernels compiled, allocator primed, schema compiled
+    llm.generate_list([{**r, "n": 1} for r in requests[:2]], params)
     if llm.engine.scheduler.cache is not None:
         llm.engine.scheduler.cache.clear()  # the measured run starts from an empty prefix cache
     torch.cuda.synchronize()
+    structured = llm.engine.structured
+    structured.mask_seconds, structured.accept_seconds, structured.mask_steps = 0.0, 0.0, 0
     with GpuBusy() as busy:
         start = time.perf_counter()
         results = llm.generate_list(requests, params)
         wall = time.perf_counter() - start
     tokens = sum(r["completion_tokens"] for r in results)
-    assert tokens == sum(r["max_tokens"] * r.get("n", 1) for r in requests)
+    constrained = any("response_format" in r for r in requests)
+    assert all(r["error"] is None for r in results)
+    # (a grammar may end a row early)
+    assert tokens == sum(r["max_tokens"] * r.get("n", 1) for r in requests) or constrained
     ttft = sorted(r["ttft_s"] for r in results)
     prompt_tokens = sum(r["prompt_tokens"] for r in results)
     hit_rate = sum(r["cached_prompt_tokens"] for r in results) / prompt_tokens if prompt_tokens else 0.0
     del llm
     torch.cuda.empty_cache()
-    return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "ttft_p50_s": ttft[len(ttft) // 2],
-            "gpu_busy_pct": busy.percent, "prefix_cache_hit_rate": round(hit_rate, 4)}
+    out = {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "ttft_p50_s": ttft[len(ttft) // 2],
+           "gpu_busy_pct": busy.percent, "prefix_cache_hit_rate": round(hit_rate, 4),
+           "completion_tokens": [r["completion_tokens"] for r in results]}
+    if structured.mask_steps:
+        out["mask_ms_per_step"] = 1000 * structured.mask_seconds / structured.mask_steps
+        out["accept_ms_per_step"] = 1000 * structured.accept_seconds / structured.mask_steps
+    return out
 
 
 def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
@@ -229,6 +255,15 @@ def main(argv=None):
                              "ratio_vs_separate_rows": round(ours["tok_s"] / rows["tok_s"], 3)})
             if workload == "W-decode1":
                 line["ms_per_token"] = round(1000 / ours["tok_s"], 3)
+            if workload == "W-json":  # the same rows and output lengths, unconstrained
+                free = [{"id": r["id"], "prompt_token_ids": r["prompt_token_ids"], "max_tokens": n}
+                        for r, n in zip(requests, ours["completion_tokens"])]
+                base = run_batchgen(model_dir, free, args.temperature, args.tensor_parallel_size)
+                line.update({"mask_ms_per_step": round(ours.get("mask_ms_per_step", 0.0), 3),
+                             "accept_ms_per_step": round(ours.get("accept_ms_per_step", 0.0), 3),
+                             "ended_by_grammar": sum(n < 64 for n in ours["completion_tokens"]),
+                             "unconstrained_tok_s": round(base["tok_s"], 1),
+                             "json_ratio": round(ours["tok_s"] / base["tok_s"], 3)})
             if args.hf_requests:
                 hf = run_hf(model_dir, as_separate_rows(requests)[: args.hf_requests])
                 line.update({"hf_requests": min(args.hf_requests, len(requests)),

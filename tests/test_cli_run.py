@@ -286,3 +286,33 @@ def wait_for_parts(process: subprocess.Popen, workdir: Path, timeout: float = 30
         time.sleep(0.02)
     process.kill()
     raise AssertionError("no row saved in time")
+
+
+def test_structured_outputs_and_top_logprobs_from_jsonl_and_parquet(tmp_path):
+    """Constraints as objects (JSONL) or JSON text in string columns (Parquet); top_logprobs is a
+    list<list<struct>> column; a bad constraint is an error row naming its field."""
+    choice = {"choice": ["yes", "no"]}
+    rows = [
+        {"id": "a", "prompt": "Is the sky blue?", "structured_outputs": choice, "top_logprobs": 2},
+        {"id": "b", "prompt": "A number:", "structured_outputs": {"regex": "[0-9]{2}"}},
+        {"id": "c", "prompt": "Hi", "structured_outputs": {"regex": "[0-9"}},
+    ]
+    src_jsonl = write_jsonl(tmp_path / "in.jsonl", rows)
+    src_parquet = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {**r, "structured_outputs": json.dumps(r["structured_outputs"]), "top_logprobs": r.get("top_logprobs")}
+        for r in rows]), src_parquet)
+    for src in (src_jsonl, src_parquet):
+        out = tmp_path / f"out-{src.suffix[1:]}.parquet"
+        done = batchgen("run", src, out, "--max-tokens", "4", "--temperature", "0")
+        assert done.returncode == 0, done.stderr
+        table = pq.read_table(out)
+        assert "structured_outputs" not in table.column_names
+        entry = table.schema.field("top_logprobs").type.value_type.value_type
+        assert [f.name for f in entry] == ["token_id", "token", "logprob"]
+        got = {r["id"]: r for r in table.to_pylist()}
+        assert got["a"]["text"] in ("yes", "no") and got["a"]["finish_reason"] == "stop"
+        assert len(got["a"]["top_logprobs"]) == len(got["a"]["output_token_ids"])
+        assert all(len(top) == 2 for top in got["a"]["top_logprobs"])
+        assert len(got["b"]["text"]) == 2 and got["b"]["text"].isdigit() and got["b"]["top_logprobs"] is None
+        assert got["c"]["finish_reason"] == "error" and got["c"]["error"].startswith("structured_outputs.regex:")

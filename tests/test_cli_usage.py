@@ -39,6 +39,10 @@ def test_help_lists_the_options_and_their_environment_variables(batchgen):
         (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization"),
         ([], {"BATCHGEN_MAX_TOKENS": "lots"}, "BATCHGEN_MAX_TOKENS"),
         (["-tp", "2"], {}, "--tensor-parallel-size"),
+        (["--structured-outputs", "{regex"], {}, "--structured-outputs is not valid JSON"),
+        (["--response-format", '{"type": "xml"}'], {}, "--response-format.type must be text"),
+        (["--structured-outputs", '{"regex": "a"}', "--response-format", '{"type": "json_object"}'], {},
+         "both --response-format and --structured-outputs"),
     ],
 )
 def test_bad_options_are_one_line_usage_errors(batchgen, tmp_path, args, env, fragment):

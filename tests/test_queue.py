@@ -408,6 +408,35 @@ def test_collect_keeps_a_parquet_inputs_column_types(tmp_path, client, keys):
     assert sorted(out.column("text").to_pylist()) == ["ba", "dc"]
 
 
+def test_collect_keeps_top_logprobs(tmp_path, client, keys):
+    """The top_logprobs column (list<list<struct>>) survives the JSON of the result stream, from a
+    Parquet input whose rows ask for it and whose constraint is JSON text in a string column."""
+    table = pa.table({"id": ["a", "b"], "prompt": ["ab", "cd"], "top_logprobs": [2, None],
+                      "response_format": ['{"type": "json_object"}', None]})
+    pq.write_table(table, tmp_path / "in.parquet")
+    submit_job(client, keys, "j", tmp_path / "in.parquet")
+    taken = client.xreadgroup(GROUP, "w", {keys.requests: ">"})[0][1]
+    from batchgen.queue.protocol import encode_result
+
+    top = [[{"token_id": 5, "token": "x", "logprob": -0.5}, {"token_id": 7, "token": " y", "logprob": -1.25}]] * 2
+    for index, (msg_id, fields) in enumerate(taken):
+        request = json.loads(fields[b"request"])
+        row = answer(request)
+        row.pop("top_logprobs", None)
+        row.pop("response_format", None)
+        if request["id"] == "a":
+            row["top_logprobs"] = top
+        encoded = encode_result(msg_id.decode(), index, "w", row)
+        client.xadd(keys.results("j"), dict(zip(encoded[::2], encoded[1::2])))
+    collect_job(client, keys, "j", tmp_path / "out.parquet", timeout_s=10)
+    out = pq.read_table(tmp_path / "out.parquet")
+    entry = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
+    assert out.schema.field("top_logprobs").type == pa.list_(pa.list_(entry))
+    got = {r["id"]: r for r in out.to_pylist()}
+    assert got["a"]["top_logprobs"] == top and got["b"]["top_logprobs"] is None
+    assert "response_format" not in out.column_names  # a request field, not a carried column
+
+
 # --- the commands ------------------------------------------------------------------------------------
 
 

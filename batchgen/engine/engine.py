@@ -11,9 +11,10 @@ from transformers import AutoTokenizer
 
 from batchgen.config import EngineConfig
 from batchgen.forward.parallel import SINGLE
-from batchgen.engine.request import Sequence, Status, make_samples, make_sequence
+from batchgen.engine.request import RequestError, Sequence, Status, make_samples, make_sequence
 from batchgen.engine.runner import ModelRunner, StepOutput
 from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.structured import GrammarError, StructuredDecoding, field_name
 from batchgen.engine.tp_workers import TPWorkers, tp_device
 from batchgen.models.model_config import load_model_config
 from batchgen.models.resolve import resolve_model_dir
@@ -51,6 +52,11 @@ class LLMEngine:
         self.eos_ids = self.model_cfg.eos_token_ids or (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
+        self.structured = StructuredDecoding(
+            self.tokenizer, self.model_cfg.vocab_size, self.eos_ids, config.max_num_seqs,
+            pin_memory=self.runner.device.type == "cuda",
+        )
+        self._token_texts: dict[int, str] = {}  # top_logprobs' token strings
         self.in_flight: StepOutput | None = None  # the launched step not yet read back
         log.info("engine ready: %s", self.describe())
 
@@ -70,11 +76,18 @@ class LLMEngine:
         }
 
     def make_sequence(self, row: dict, defaults: SamplingParams) -> Sequence:
-        """Validate a request row; raises RequestError with a one-line reason."""
-        return make_sequence(
+        """Validate a request row; raises RequestError with a one-line reason. A constrained row's
+        grammar starts compiling on a worker thread (once per distinct spec)."""
+        seq = make_sequence(
             row, defaults, self.config.seed, self.tokenizer, self.model_cfg.vocab_size, self.eos_ids,
             self.max_request_len,
         )
+        if seq.structured is not None:
+            try:
+                self.structured.attach(seq)
+            except GrammarError as e:
+                raise RequestError(str(e)) from None
+        return seq
 
     def make_sequences(self, row: dict, defaults: SamplingParams) -> list[Sequence]:
         """Validate a request row -> the sequences of its n samples (RequestError as make_sequence)."""
@@ -103,8 +116,12 @@ class LLMEngine:
             self.workers.fail(e)
 
     def _step(self) -> list[Sequence]:
+        """docs/STEP.md: launch step N+1's forward; sample it at once unless a sampler is
+        constrained; read back step N; then the constrained samplers' masks (which need N's
+        tokens) and step N+1's sampling."""
         batch = self.scheduler.schedule()
-        launched = None
+        logits = launched = None
+        samplers = scored = None
         if batch is not None:
             now = time.monotonic()
             for seq in batch.seqs:
@@ -113,8 +130,16 @@ class LLMEngine:
             inputs, samplers, scored = self.runner.step_inputs(batch)
             if self.workers is not None:
                 self.workers.send(inputs)  # the other ranks run the same step
-            launched = self.runner.launch(inputs, samplers, scored, self.in_flight)
+            logits = self.runner.launch_forward(inputs, self.in_flight)
+            if not any(seq.structured is not None for seq in samplers):
+                launched = self.runner.launch_sampling(logits, samplers, scored)
         finished = self._read_back(self.in_flight) if self.in_flight is not None else []
+        if logits is not None and launched is None:  # constrained: N's tokens are accepted now
+            rows, bitmask, ended = self.structured.fill(samplers)
+            for seq in ended:
+                self._end_by_grammar(seq)
+                finished.append(seq)
+            launched = self.runner.launch_sampling(logits, samplers, scored, (rows, bitmask) if rows else None)
         self.in_flight = launched
         return finished
 
@@ -124,7 +149,14 @@ class LLMEngine:
             seq.prompt_logprobs.extend(prompt_logprobs[:count])
             prompt_logprobs = prompt_logprobs[count:]
         for i, value in zip(step.wanting, token_logprobs):
-            step.samplers[i].logprobs.append(value)
+            if step.samplers[i].status is not Status.FINISHED:  # (a surplus token's value is not kept)
+                step.samplers[i].logprobs.append(value)
+        for i, top in step.top_logprobs:
+            seq = step.samplers[i]
+            if seq.status is not Status.FINISHED:
+                seq.top_logprobs.append([
+                    {"token_id": t, "token": self._token_text(t), "logprob": lp} for t, lp in top
+                ])
         now = time.monotonic()
         finished = []
         for seq, token in zip(step.samplers, tokens):
@@ -134,11 +166,40 @@ class LLMEngine:
             seq.token_ids.append(token)
             if seq.first_token is None:
                 seq.first_token = now
-            if self._check_finished(seq, token):
+            if (seq.matcher is not None and self._check_grammar(seq, token)) or self._check_finished(seq, token):
                 seq.finished_at = now
                 self.scheduler.finish(seq)
                 finished.append(seq)
         return finished
+
+    def _check_grammar(self, seq: Sequence, token: int) -> bool:
+        """Its grammar accepts the new token (exactly once) -> whether that ended the sequence: a
+        stop token where the grammar is complete (finish_reason stop, even under ignore_eos)."""
+        if not self.structured.accept(seq, token):  # the mask allowed it: only a bug gets here
+            seq.error = f"{field_name(seq.structured)}: generated token {token} was rejected by the grammar"
+            return True
+        if seq.matcher.is_terminated():
+            seq.finish_reason = "stop"
+            seq.text = self.decode(seq.output_ids[:-1])
+            return True
+        return False
+
+    def _end_by_grammar(self, seq: Sequence) -> None:
+        """A sequence that fill() ended: its grammar failed to compile (seq.error), or is complete
+        and allows only a stop token next (finish_reason stop, without sampling it)."""
+        now = time.monotonic()
+        if seq.error is None:
+            seq.finish_reason = "stop"
+            seq.text = self.decode(seq.output_ids)
+        seq.first_token = seq.first_token or now
+        seq.finished_at = now
+        self.scheduler.finish(seq)
+
+    def _token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     def abort_all(self, clear_cache: bool = False) -> None:
         """Drop every request, freeing its slots. clear_cache: empty the prefix cache too (after a
@@ -186,6 +247,8 @@ class LLMEngine:
 
 def result_row(seq: Sequence) -> dict:
     """DESIGN.md's output row of a finished sequence."""
+    if seq.error is not None:  # failed in the engine (its grammar): an error row like a refused one
+        return error_result(seq.id, seq.error, seq.extras)
     out_ids = seq.output_ids
     queue = seq.first_scheduled - seq.arrival
     ttft = seq.first_token - seq.arrival
@@ -211,6 +274,7 @@ def result_row(seq: Sequence) -> dict:
         "decode_tokens_per_s": (len(out_ids) - 1) / decode if decode > 0 and len(out_ids) > 1 else None,
         **({"logprobs": seq.logprobs} if seq.logprobs is not None else {}),
         **({"prompt_logprobs": seq.prompt_logprobs} if seq.prompt_logprobs is not None else {}),
+        **({"top_logprobs": seq.top_logprobs} if seq.top_logprobs is not None else {}),
     }
 
 

@@ -7,7 +7,10 @@ from array import array
 from enum import Enum
 
 from batchgen.sampling_params import SamplingParams, derive_seed, sample_seed
-from batchgen.schema import KNOWN_FIELDS, OUTPUT_OPTIONS, SAMPLING_FIELDS, FieldError, check_options, check_prompt
+from batchgen.schema import (
+    KNOWN_FIELDS, LOGPROB_OPTIONS, OUTPUT_OPTIONS, SAMPLING_FIELDS, STRUCTURED_FIELDS, FieldError, check_options,
+    check_prompt, check_structured,
+)
 
 
 class RequestError(FieldError):
@@ -78,6 +81,15 @@ class Sequence:
         # log p(token) of each generated token / of each prompt token after the first, when asked for
         self.logprobs: list[float] | None = None
         self.prompt_logprobs: list[float] | None = None
+        # top_logprobs: k, and per generated token its k most likely (token id, logprob)
+        self.num_top_logprobs = 0
+        self.top_logprobs: list[list[tuple[int, float]]] | None = None
+        # constrained decoding (engine/structured.py): the row's spec, its compiled grammar (a
+        # future, compiled on a worker thread) and the matcher that has accepted its output tokens
+        self.structured = None
+        self.grammar = None
+        self.matcher = None
+        self.error: str | None = None  # set when the sequence failed in the engine (its grammar)
 
     @property
     def num_tokens(self) -> int:
@@ -135,9 +147,14 @@ def make_sequence(row: dict, defaults: SamplingParams, job_seed: int, tokenizer,
         )
     extras = {k: v for k, v in row.items() if k not in KNOWN_FIELDS}
     seq = Sequence(row.get("id"), ids, params, eos_ids, extras, time.monotonic())
-    for name in OUTPUT_OPTIONS:
+    for name in LOGPROB_OPTIONS:
         if options.get(name):
             setattr(seq, name, [])
+    if options.get("top_logprobs") is not None:
+        seq.num_top_logprobs = options["top_logprobs"]
+        seq.top_logprobs = []
+    own = any(row.get(f) is not None for f in STRUCTURED_FIELDS)
+    seq.structured = check_structured(row) if own else params.structured
     return seq
 
 
@@ -157,6 +174,9 @@ def make_samples(seq: Sequence, indices: list[int] | None = None) -> list[Sequen
             for name in OUTPUT_OPTIONS:
                 if getattr(seq, name) is not None:
                     setattr(sample, name, [])
+            sample.num_top_logprobs = seq.num_top_logprobs
+            # the same constraint, its grammar compiled once; each sample gets its own matcher
+            sample.structured, sample.grammar = seq.structured, seq.grammar
         sample.sample_index = i
         samples.append(sample)
     return samples

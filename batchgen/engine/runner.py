@@ -20,6 +20,7 @@ from batchgen.engine.request import Sequence
 from batchgen.engine.scheduler import ScheduledBatch
 from batchgen.engine.staging import Staging
 from batchgen.engine.step_inputs import HEADER, StepInputs
+from batchgen.kernels.token_bitmask import apply_token_bitmask
 from batchgen.layers.sampler import SamplingBatch, sample
 from batchgen.models.loader import build_model
 from batchgen.models.model_config import ModelConfig
@@ -294,18 +295,35 @@ class ModelRunner:
     def launch(self, inputs: StepInputs, samplers: list[Sequence], scored: list, previous: StepOutput | None) -> StepOutput:
         """Rank 0: queue one step on the device without waiting for it, and sample. Input tokens that
         `previous` (the step in flight) is sampling are read from its output on the device."""
-        logits = self.run_step(inputs, previous.tokens if previous is not None else None)
+        return self.launch_sampling(self.launch_forward(inputs, previous), samplers, scored)
+
+    @torch.inference_mode()
+    def launch_forward(self, inputs: StepInputs, previous: StepOutput | None) -> torch.Tensor:
+        """Rank 0: queue a step's forward -> its logits [num_logits, V] fp32, not waited for."""
+        return self.run_step(inputs, previous.tokens if previous is not None else None)
+
+    @torch.inference_mode()
+    def launch_sampling(self, logits: torch.Tensor, samplers: list[Sequence], scored: list,
+                        mask: tuple[list[int], torch.Tensor] | None = None) -> StepOutput:
+        """Rank 0: queue sampling of a launched step's logits, and the log-probabilities asked for.
+        mask: (indices of constrained samplers, their token bitmask [C, W] int32 on the host), applied
+        to those rows before sampling; log-probabilities are the model's, taken before it."""
         num_sampled = len(samplers)
         outputs = []  # fp32 values read back: sampled tokens' logprobs, then prompt logprobs
-        tokens = None
+        tokens = top = None
         wanting = [i for i, s in enumerate(samplers) if s.logprobs is not None]
         if samplers:
+            if wanting:
+                wanting_rows = self._tensor(wanting, torch.int64)
+                wanted_lp = torch.log_softmax(logits[wanting_rows], dim=-1)
+            top = self._top_logprobs(logits, samplers)
+            if mask is not None:
+                rows, bitmask = mask
+                self._apply_mask(logits, rows, bitmask)
             tokens = sample(logits[:num_sampled], self.sampling_batch(samplers))
             self.tp.broadcast(tokens)  # the other ranks' next step may take input tokens from them
             if wanting:
-                rows = self._tensor(wanting, torch.int64)
-                lp = torch.log_softmax(logits[rows], dim=-1)
-                outputs.append(lp.gather(1, tokens[rows][:, None]).squeeze(1))
+                outputs.append(wanted_lp.gather(1, tokens[wanting_rows][:, None]).squeeze(1))
         if scored:
             targets = self._tensor([t for _, _, ids in scored for t in ids], torch.int64)
             lp = torch.log_softmax(logits[num_sampled:], dim=-1)
@@ -314,7 +332,24 @@ class ModelRunner:
             seq.logits_row = i
             seq.num_pending += 1
         return StepOutput(samplers, wanting, [(seq, count) for seq, count, _ in scored], tokens,
-                          torch.cat(outputs) if outputs else None, self.staging)
+                          torch.cat(outputs) if outputs else None, self.staging, top)
+
+    def _top_logprobs(self, logits: torch.Tensor, samplers: list[Sequence]):
+        """-> (indices of samplers that asked for top_logprobs, their k, ids [T, k_max] int64,
+        logprobs [T, k_max] fp32) on the device, or None when none asked."""
+        asking = [i for i, s in enumerate(samplers) if s.num_top_logprobs > 0]
+        if not asking:
+            return None
+        ks = [samplers[i].num_top_logprobs for i in asking]
+        lp = torch.log_softmax(logits[self._tensor(asking, torch.int64)], dim=-1)
+        values, ids = lp.topk(max(ks), dim=-1)
+        return asking, ks, ids, values
+
+    def _apply_mask(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+        """The constrained rows' token bitmask onto their logits, in place: one copy, one op."""
+        if self.device.type == "cuda":
+            bitmask = bitmask.to(self.device, non_blocking=True)
+        apply_token_bitmask(logits, bitmask, self._tensor(rows, torch.int64))
 
     @torch.inference_mode()
     def follow(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor | None:
@@ -339,12 +374,15 @@ def record_slots(fb: ForwardBatch) -> None:
 class StepOutput:
     """The results of a launched step, copied back to the host as the device produces them."""
 
-    def __init__(self, samplers, wanting, scored, tokens, values, staging: Staging):
+    def __init__(self, samplers, wanting, scored, tokens, values, staging: Staging, top=None):
         self.samplers = samplers  # sequences that sampled, in the order of `tokens`
         self.wanting = wanting  # indices of samplers that asked for their token's logprob
         self.scored = scored  # (sequence, number of prompt logprobs), in the order of `values`
         self.tokens = tokens  # [S] int64 on the device, or None
         self._host = [staging.to_host(t) for t in (tokens, values) if t is not None]
+        # top_logprobs: (sampler indices, their k, ids [T, k_max], logprobs [T, k_max]) -> host copies
+        self._top = None if top is None else (top[0], top[1], staging.to_host(top[2]), staging.to_host(top[3]))
+        self.top_logprobs: list[tuple[int, list[tuple[int, float]]]] = []  # set by read()
         self._event = None
         if staging.arenas is not None:
             self._event = torch.cuda.Event()
@@ -362,6 +400,12 @@ class StepOutput:
                     check()
                     time.sleep(1e-4)
         host = [t.tolist() for t in self._host]
+        if self._top is not None:
+            asking, ks, ids, values = self._top
+            self.top_logprobs = [
+                (i, list(zip(row_ids[:k], row_values[:k])))
+                for i, k, row_ids, row_values in zip(asking, ks, ids.tolist(), values.tolist())
+            ]
         tokens = host.pop(0) if self.tokens is not None else []
         values = host.pop(0) if host else []
         split = len(self.wanting)

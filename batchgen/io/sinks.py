@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from batchgen.io.rows import OUTPUT_FIELDS, ROW_KEY
 from batchgen.sampling_params import MAX_N
-from batchgen.schema import KNOWN_FIELDS, OUTPUT_OPTIONS
+from batchgen.schema import KNOWN_FIELDS, LOGPROB_OPTIONS
 
 OUTPUT_TYPES: dict[str, pa.DataType] = {
     "sample_index": pa.int64(),
@@ -52,7 +52,12 @@ OUTPUT_TYPES: dict[str, pa.DataType] = {
 }
 assert tuple(OUTPUT_TYPES) == OUTPUT_FIELDS
 # Output columns a job has only when its rows may ask for them (an input column of that name), last.
-OPTIONAL_OUTPUT_TYPES: dict[str, pa.DataType] = {n: pa.list_(pa.float64()) for n in OUTPUT_OPTIONS}
+# top_logprobs: per generated token, its k most likely alternatives.
+TOP_LOGPROB_TYPE = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
+OPTIONAL_OUTPUT_TYPES: dict[str, pa.DataType] = {
+    **{n: pa.list_(pa.float64()) for n in LOGPROB_OPTIONS},
+    "top_logprobs": pa.list_(pa.list_(TOP_LOGPROB_TYPE)),
+}
 
 KIND_KEY = b"batchgen_kind"
 KIND_TYPES = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "str": pa.string(), "json": pa.string()}

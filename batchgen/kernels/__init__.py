@@ -11,6 +11,7 @@ from batchgen.kernels.store_kv import store_kv
 from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.decode_attention import decode_attention
 from batchgen.kernels.gumbel_argmax import gumbel_argmax
+from batchgen.kernels.token_bitmask import apply_token_bitmask
 
 __all__ = [
     "rmsnorm",
@@ -21,4 +22,5 @@ __all__ = [
     "prefill_attention",
     "decode_attention",
     "gumbel_argmax",
+    "apply_token_bitmask",
 ]

@@ -101,6 +101,28 @@ def test_sampling_and_logprobs_match_tp1(tiny_model):
                                    atol=1e-4, rtol=0)
 
 
+def test_constrained_rows_and_top_logprobs_match_tp1(tiny_model):
+    """Constrained rows beside free ones, sampled, with a token budget that chunks prefill: rank 0
+    masks and samples, the others run the forward only (preemption: tests/engine/test_structured.py)."""
+    pytest.importorskip("xgrammar")
+    model_dir = tiny_model("qwen2")
+    rows = [{"prompt_token_ids": p, "seed": i, "top_logprobs": 3,
+             **({"structured_outputs": {"regex": "[a-z]{2,3}( [0-9a-z]{2,3}){2,4}"}} if i % 2 == 0
+                else {"ignore_eos": True})}
+            for i, p in enumerate(p for p in prompts() if len(p) < 64)]  # (64 + max_tokens > the KV pool)
+    sampling = SamplingParams(temperature=0.8, max_tokens=24)
+    squeezed = {**SQUEEZED, "kv_cache_tokens": 64}
+    single, double = [generate(model_dir, tp, rows, sampling, **squeezed) for tp in (1, 2)]
+    assert all(r["error"] is None for r in single + double)
+    assert_same_tokens(model_dir, rows, single, double)
+    for a, b in zip(single, double):
+        if a["output_token_ids"] == b["output_token_ids"]:
+            values = [[e["logprob"] for e in top] for top in a["top_logprobs"]]
+            torch.testing.assert_close(torch.tensor([[e["logprob"] for e in top] for top in b["top_logprobs"]]),
+                                       torch.tensor(values), atol=1e-4, rtol=0)
+    assert all(r["finish_reason"] == "stop" for r in double[::2])
+
+
 def test_replicated_kv_head_matches_tp1(tmp_path):
     """One KV head, two ranks: each rank holds a copy of it."""
     import transformers as tf

@@ -1,0 +1,177 @@
+"""Constrained decoding (structured outputs) with xgrammar.
+
+Each distinct spec (schema.StructuredSpec: a JSON schema, any JSON object, a regex, a choice, an
+EBNF grammar) is compiled once per engine, on a worker thread, into a grammar over the model's
+vocabulary; the future is attached to each Sequence that asks for it. A sequence gets its own
+matcher when it first samples. For every step with constrained samplers the engine, after reading
+back the previous step, lets each matcher accept its new token (exactly once: preemption
+recomputes KV, never tokens), then fill() writes their next-token bitmasks into pinned host memory,
+one row per constrained sampler; the runner copies them to the device once and masks the logits in
+one op (kernels/token_bitmask.py). xgrammar is imported only when a row is constrained.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from batchgen.engine.request import Sequence, Status
+from batchgen.schema import StructuredSpec
+
+# xgrammar's errors start with a timestamp and its C++ source location: "[11:09:04] /x/y.cc:83: "
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# distinct specs kept compiled; a sequence holds its own grammar, so an evicted one is only recompiled
+# for rows that come later (a job with a schema per row does not keep every one)
+CACHE_SIZE = 256
+
+
+class GrammarError(ValueError):
+    """A spec that cannot be compiled; the message is one line naming the row's field."""
+
+
+def field_name(spec: StructuredSpec) -> str:
+    if spec.field == "response_format":
+        return "response_format.json_schema.schema" if spec.source else "response_format"
+    return f"structured_outputs.{spec.kind}"
+
+
+def one_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return _CPP_PREFIX.sub("", lines[0] if lines else type(error).__name__)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar that matches exactly one of the strings: root ::= "a" | "b" | ..."""
+    def literal(s: str) -> str:
+        return '"' + "".join(c if c.isalnum() or c == " " else f"\\u{ord(c):04x}" if ord(c) < 0x10000
+                             else f"\\U{ord(c):08x}" for c in s) + '"'
+    return "root ::= " + " | ".join(literal(c) for c in choices)
+
+
+class StructuredDecoding:
+    """The engine's compile cache, and the bitmasks of a step's constrained samplers."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], max_num_seqs: int, pin_memory: bool):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's (LM head's), which may exceed the tokenizer's
+        self.stop_ids = list(stop_ids)
+        self.max_num_seqs = max_num_seqs
+        self.pin_memory = pin_memory
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchgen-grammar")
+        self._lock = threading.Lock()  # sequences may be made on several threads (a tokenizer pool)
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # least recently used first
+        self._compiler = None  # xgrammar's, made on the worker thread by the first compile
+        # [max_num_seqs, W] int32. One buffer is enough: a fill comes after the read-back of the step
+        # that the previous fill's copy was queued in, so that copy is done.
+        self._bitmask: torch.Tensor | None = None
+        self._batch_matcher = None
+        self._stop_words: np.ndarray | None = None  # [W] uint32: every bit except the stop tokens'
+        # host time spent filling bitmasks (per constrained step) and accepting tokens, for benchmarks
+        self.mask_seconds = self.accept_seconds = 0.0
+        self.mask_steps = 0
+
+    # ---- compiling (worker thread) -------------------------------------------------------------
+    def compile(self, spec: StructuredSpec) -> Future:
+        """-> a future of the compiled grammar (raises GrammarError); one per distinct spec."""
+        with self._lock:
+            future = self._compiled.get(spec.key)
+            if future is None:
+                future = self._compiled[spec.key] = self._pool.submit(self._compile, spec)
+                if len(self._compiled) > CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(spec.key)
+            return future
+
+    def _compile(self, spec: StructuredSpec):
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise GrammarError(f"{field_name(spec)}: constrained decoding needs xgrammar (pip install xgrammar)") from None
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(  # (no EOS known: xgrammar looks for one)
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids or None
+            )
+            self.stop_ids = list(info.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        compiler = self._compiler
+        try:
+            if spec.kind == "json":  # compact JSON: free whitespace lets a small model pad forever
+                return compiler.compile_json_schema(spec.source or '{"type": "object"}', any_whitespace=False)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.source)
+            if spec.kind == "choice":
+                return compiler.compile_grammar(choice_grammar(json.loads(spec.source)))
+            return compiler.compile_grammar(spec.source)
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError / InvalidJSONError
+            raise GrammarError(f"{field_name(spec)}: invalid or unsupported {spec.kind}: {one_line(e)}") from None
+
+    def attach(self, seq: Sequence) -> None:
+        """Start compiling the sequence's spec; raises GrammarError at once when it is known bad."""
+        seq.grammar = self.compile(seq.structured)
+        if seq.grammar.done() and seq.grammar.exception() is not None:
+            raise seq.grammar.exception()
+
+    # ---- matching (engine loop) ----------------------------------------------------------------
+    def accept(self, seq: Sequence, token: int) -> bool:
+        """The sequence's new token -> whether its grammar took it."""
+        start = time.perf_counter()
+        accepted = seq.matcher.accept_token(token)
+        self.accept_seconds += time.perf_counter() - start
+        return accepted
+
+    def _new_matcher(self, compiled):
+        import xgrammar as xgr  # (compiled: xgrammar is there)
+
+        if self._bitmask is None:
+            words = (self.vocab_size + 31) // 32
+            self._bitmask = torch.empty((self.max_num_seqs, words), dtype=torch.int32, pin_memory=self.pin_memory)
+            self._batch_matcher = xgr.BatchGrammarMatcher()
+            stop = np.full(words, 0xFFFFFFFF, dtype=np.uint32)
+            for t in self.stop_ids:
+                stop[t // 32] &= ~np.uint32(1 << (t % 32))
+            self._stop_words = stop
+        return xgr.GrammarMatcher(compiled)
+
+    def fill(self, samplers: list[Sequence]) -> tuple[list[int], torch.Tensor | None, list[Sequence]]:
+        """The bitmasks of a step's constrained samplers, after the previous step's tokens were
+        accepted -> (their indices in `samplers`, bitmask [C, W] int32 on the host, sequences that
+        ended: their grammar is complete and allows nothing but a stop token, or failed to compile
+        (seq.error)). Finished sequences (their token in this step is surplus) get no mask."""
+        start = time.perf_counter()
+        indices, matchers, ended = [], [], []
+        for i, seq in enumerate(samplers):
+            if seq.structured is None or seq.status is Status.FINISHED:
+                continue
+            if seq.matcher is None:
+                if seq.grammar is None:  # made without attach() (another path that builds sequences)
+                    seq.grammar = self.compile(seq.structured)
+                try:
+                    seq.matcher = self._new_matcher(seq.grammar.result())
+                except GrammarError as e:
+                    seq.error = str(e)
+                    ended.append(seq)
+                    continue
+            indices.append(i)
+            matchers.append(seq.matcher)
+        if not matchers:
+            return [], None, ended
+        bitmask = self._bitmask[: len(matchers)]
+        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        rows = []
+        for c, (i, matcher) in enumerate(zip(indices, matchers)):
+            if matcher.is_completed() and not (bitmask[c].numpy().view(np.uint32) & self._stop_words).any():
+                ended.append(samplers[i])  # complete, and only a stop token may follow: done now
+            else:
+                rows.append(c)
+        if len(rows) < len(indices):  # drop the rows of sequences that ended
+            bitmask = bitmask[rows]
+        self.mask_seconds += time.perf_counter() - start
+        self.mask_steps += 1
+        return [indices[c] for c in rows], bitmask, ended
