@@ -9,7 +9,6 @@ import subprocess
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.schema import KNOWN_FIELDS
 from tests.openai_types import validate_line
 from tests.test_cli_run import REPO, batchgen, command, environment, wait_for_parts, write_jsonl
 
@@ -162,11 +161,6 @@ def test_sigkill_mid_job_then_rerun_gives_every_custom_id_exactly_once(tmp_path)
     assert meta["fingerprint"]["input_format"] == "openai" and meta["fingerprint"]["output_format"] == "openai"
 
 
-ENGINE_FEATURES = {"n", "top_logprobs", "response_format"}
-
-
-@pytest.mark.skipif(not ENGINE_FEATURES <= set(KNOWN_FIELDS),
-                    reason="needs per-row n (branch prefix, #12) and top_logprobs / response_format (structured, #13)")
 def test_n_samples_top_logprobs_and_a_json_schema(tmp_path):
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}
