@@ -10,7 +10,7 @@ from batchgen.engine.prefix_cache import PrefixCache
 from batchgen.engine.request import Sequence
 from batchgen.engine.scheduler import Scheduler
 from batchgen.sampling_params import SamplingParams
-from tests.engine.test_scheduler import run_step
+from tests.engine.test_scheduler import drain as drain_scheduler
 
 
 class Pool:
@@ -95,16 +95,13 @@ def check_ownership(sched):
 
 
 def drain(sched, check=lambda batch: None):
-    done, steps = [], 0
-    while sched.has_work():
-        batch = sched.schedule()
-        assert batch is not None
+    """test_scheduler's drain, with every slot's owner checked at every step."""
+
+    def checked(batch):
         check(batch)
         check_ownership(sched)
-        done += run_step(sched, batch)
-        steps += 1
-        assert steps < 10_000
-    return done
+
+    return drain_scheduler(sched, checked)
 
 
 def test_rows_sharing_a_prefix_compute_it_once():
