@@ -71,11 +71,10 @@ class ModelGraphs:
         pool = None
         for key in sorted(self.batches, key=lambda k: -k[1]):  # largest first: the rest reuse its memory
             fb = self.batches[key]
-            model = self.model
-            model(fb)  # warm-up outside the capture: compiles kernels, creates library handles
+            self.model(fb)  # warm-up outside the capture: compiles kernels, creates library handles
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = model(fb)
+                hidden = self.model(fb)
             pool = graph.pool()
             self.graphs[key] = (graph, hidden)
         torch.cuda.synchronize(self.device)

@@ -85,12 +85,16 @@ class LLMEngine:
     def sequence(self, prepared: PreparedRequest) -> Sequence:
         return build_sequence(prepared, self.eos_ids)
 
-    def make_sequence(self, row: dict, defaults: SamplingParams) -> Sequence:
-        """Validate a request row; raises RequestError with a one-line reason."""
+    def prepare(self, row: dict, defaults: SamplingParams) -> PreparedRequest:
+        """One row on the engine's thread; raises RequestError with a one-line reason."""
         prepared, = self.request_preparer(defaults)([row])
         if not isinstance(prepared, PreparedRequest):
             raise prepared
-        return self.sequence(prepared)
+        return prepared
+
+    def make_sequence(self, row: dict, defaults: SamplingParams) -> Sequence:
+        """Validate a request row; raises RequestError with a one-line reason."""
+        return self.sequence(self.prepare(row, defaults))
 
     def sequences(self, prepared: PreparedRequest, indices: list[int] | None = None) -> list[Sequence]:
         """A prepared request -> the sequences of its n samples (those of `indices`, default all).
@@ -107,10 +111,7 @@ class LLMEngine:
 
     def make_sequences(self, row: dict, defaults: SamplingParams) -> list[Sequence]:
         """Validate a request row -> the sequences of its n samples (RequestError as make_sequence)."""
-        prepared, = self.request_preparer(defaults)([row])
-        if not isinstance(prepared, PreparedRequest):
-            raise prepared
-        return self.sequences(prepared, row.get(SAMPLES_KEY))
+        return self.sequences(self.prepare(row, defaults), row.get(SAMPLES_KEY))
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

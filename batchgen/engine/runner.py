@@ -20,7 +20,7 @@ from batchgen.engine.request import Sequence
 from batchgen.engine.scheduler import ScheduledBatch
 from batchgen.engine.staging import Staging
 from batchgen.engine.step_inputs import HEADER, StepInputs
-from batchgen.engine.warmup import synthetic_batch, warm_up
+from batchgen.engine.warmup import synthetic_batch, warm_sampling, warm_up
 from batchgen.kernels.token_bitmask import apply_token_bitmask
 from batchgen.layers.sampler import SamplingBatch, sample
 from batchgen.models.loader import build_model
@@ -140,9 +140,9 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         batch = synthetic_batch(scratch, self.device, [], [(n, n) for n in lens])
         with torch.inference_mode():
-            record_slots(batch)
+            batch.record_slots()
             logits = self.forward(batch)  # one row per sequence: max_num_seqs rows
-            sample(logits, self._profile_sampling(logits.shape[0]))
+            warm_sampling(logits)  # every sampling path: the peak is top-k/top-p's sort
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del scratch, batch, logits
@@ -150,14 +150,6 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = torch.empty(0)
         torch.cuda.empty_cache()
         return peak
-
-    def _profile_sampling(self, n: int) -> SamplingBatch:
-        dev = self.device
-        return SamplingBatch(
-            temperatures=torch.ones(n, device=dev), top_ks=torch.full((n,), 50, device=dev),
-            top_ps=torch.full((n,), 0.9, device=dev), seeds=torch.zeros(n, dtype=torch.int64, device=dev),
-            steps=torch.zeros(n, dtype=torch.int64, device=dev), all_greedy=False, use_top_k_top_p=True,
-        )
 
     # ---- one step ------------------------------------------------------------------------------
     def _tensor(self, values, dtype) -> torch.Tensor:
@@ -251,7 +243,7 @@ class ModelRunner:
         prompt tokens replay a CUDA graph (docs/STEP.md); the LM head runs after the replay, on
         exactly the rows that sample."""
         fb = self.forward_batch(inputs, previous_tokens)
-        record_slots(fb)  # outside any graph: the number of table writes varies from step to step
+        fb.record_slots()  # outside any graph: the number of table writes varies from step to step
         key = None
         if self.graphs is not None and inputs.num_logits == inputs.num_sampled:
             key = self.graphs.pick(fb, inputs.num_logits)
@@ -284,13 +276,6 @@ class ModelRunner:
             banned_rows=banned[0], banned_ids=banned[1],
         )
 
-    @torch.inference_mode()
-    def launch(self, inputs: StepInputs, samplers: list[Sequence], scored: list, previous: StepOutput | None) -> StepOutput:
-        """Rank 0: queue one step on the device without waiting for it, and sample. Input tokens that
-        `previous` (the step in flight) is sampling are read from its output on the device."""
-        return self.launch_sampling(self.launch_forward(inputs, previous), samplers, scored)
-
-    @torch.inference_mode()
     @torch.inference_mode()
     def launch_forward(self, inputs: StepInputs, previous: StepOutput | None) -> torch.Tensor:
         """Rank 0: queue a step's forward -> its logits [num_logits, V] fp32, not waited for."""
@@ -353,11 +338,6 @@ class ModelRunner:
         if inputs.num_sampled == 0:
             return None
         return self.tp.broadcast(torch.empty(inputs.num_sampled, dtype=torch.int64, device=self.device))
-
-
-def record_slots(fb: ForwardBatch) -> None:
-    """Write the step's new tokens' slots into the token table: req_to_token[row, position] = slot."""
-    fb.req_to_token[fb.token_rows.long(), fb.positions] = fb.out_slots.to(torch.int32)
 
 
 class StepOutput:

@@ -70,10 +70,10 @@ def synthetic_batch(kv: KVCache, device: torch.device, decode_lens: list[int],
     )
 
 
-def warm_sampling(num_rows: int, vocab_size: int, device: torch.device) -> None:
-    """The sampler's kernels on every path a step can take: greedy, Gumbel-max, top-k/top-p."""
-    logits = torch.randn(num_rows, vocab_size, device=device)
-    dev = dict(device=device)
+def warm_sampling(logits: torch.Tensor) -> None:
+    """The sampler on every path a step can take (greedy, Gumbel-max, top-k/top-p) over logits
+    [S, V]: compiles its kernels, and shows its peak memory to a profile."""
+    num_rows, dev = logits.shape[0], dict(device=logits.device)
     for top in (False, True):
         sample(logits, SamplingBatch(
             temperatures=torch.full((num_rows,), 0.7, **dev), top_ks=torch.full((num_rows,), 50, **dev),
@@ -95,10 +95,9 @@ def warm_up(runner) -> None:
     with torch.inference_mode():
         for decode_lens, chunks in steps:
             fb = synthetic_batch(kv, dev, decode_lens, chunks)
-            fb.req_to_token[fb.token_rows.long(), fb.positions] = fb.out_slots.to(torch.int32)
-            logits = runner.model.compute_logits(runner.model(fb))
-            warm_sampling(logits.shape[0], logits.shape[1], dev)
-        fb.req_to_token.zero_()
+            fb.record_slots()
+            warm_sampling(runner.model.compute_logits(runner.model(fb)))
+        kv.req_to_token.zero_()  # the synthetic rows' entries
         kv.req_to_token[kv.pad_row, 0] = kv.pad_slot
     torch.cuda.synchronize(dev)
     log.info("kernels ready in %.1fs", time.perf_counter() - start)

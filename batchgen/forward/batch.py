@@ -46,3 +46,8 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return self.num_decode + self.num_prefill
+
+    def record_slots(self) -> None:
+        """Write the new tokens' slots into the token table: req_to_token[row, position] = slot.
+        Never inside a CUDA graph: the number of writes changes from step to step."""
+        self.req_to_token[self.token_rows.long(), self.positions] = self.out_slots.to(torch.int32)

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.runner import record_slots
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -28,7 +27,7 @@ def test_mixed_step_graph_equals_eager(tiny_model, kind):
         previous = engine.in_flight.tokens if engine.in_flight is not None else None
         with torch.inference_mode():
             fb = runner.forward_batch(inputs, previous)
-            record_slots(fb)
+            fb.record_slots()
             key = runner.graphs.pick(fb, inputs.num_logits)
             if fb.num_prefill and fb.num_decode:
                 assert key is not None and key[0] == "step"
