@@ -2,11 +2,13 @@
 whatever the model prefers, bad specs fail alone, top_logprobs match a reference log-softmax."""
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
+from batchgen.engine.request import Status
 from batchgen.schema import FieldError, StructuredSpec, check_structured
 from tests.tiny_models import EOS, load_hf
 
@@ -204,6 +206,26 @@ def test_the_jobs_constraint_applies_to_rows_without_their_own(llm):
     assert by_id["free"]["finish_reason"] == "length" and by_id["free"]["completion_tokens"] == 6
     with pytest.raises(ValueError, match="structured_outputs.choice must be a non-empty list"):
         SamplingParams(structured_outputs={"choice": []})
+
+
+def test_the_grammar_covers_the_tokenizers_ids_not_the_lm_heads_padding(llm):
+    """A 1,000-row LM head over a tokenizer of ~380 ids: xgrammar is told about the tokenizer's ids
+    only (it scans the ids past them on every accepted token), and no padded id is ever allowed,
+    though xgrammar leaves the last bitmask word's spare bits set."""
+    from batchgen.engine.structured import StructuredDecoding
+    from batchgen.kernels.token_bitmask import apply_token_bitmask
+
+    decoding = StructuredDecoding(llm.tokenizer, 1000, [1], max_num_seqs=2, pin_memory=False)
+    spec = check_structured({"structured_outputs": {"regex": "(.|\\n)*"}})  # any text: every real token
+    seq = SimpleNamespace(structured=spec, status=Status.RUNNING, matcher=None, grammar=None, error=None)
+    rows, bitmask, ended = decoding.fill([seq])
+    ids = len(llm.tokenizer)
+    assert ids % 32 and decoding.mask_vocab == ids  # (a partly used last word)
+    assert rows == [0] and ended == [] and bitmask.shape == (1, (ids + 31) // 32)
+    logits = torch.zeros(1, 1000)
+    apply_token_bitmask(logits, bitmask, torch.tensor([0]))
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert len(allowed) > ids // 2 and max(allowed) < ids
 
 
 def test_the_compile_cache_keeps_the_most_recently_used_specs(llm, monkeypatch):
