@@ -154,7 +154,8 @@ class StructuredDecoding:
         """The bitmasks of a step's constrained samplers, after the previous step's tokens were
         accepted -> (their indices in `samplers`, bitmask [C, W] int32 on the host, sequences that
         ended: their grammar is complete and allows nothing but a stop token, or failed to compile
-        (seq.error)). Finished sequences (their token in this step is surplus) get no mask."""
+        (seq.error)). Sequences finished earlier get no mask; one that ends here keeps its row (its
+        token in this step, a stop token, is surplus like that of a row finished at read-back)."""
         start = time.perf_counter()
         indices, matchers, ended = [], [], []
         for i, seq in enumerate(samplers):
@@ -177,14 +178,11 @@ class StructuredDecoding:
         self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
         if self.mask_vocab % 32:  # xgrammar leaves the last word's bits past its vocabulary set
             bitmask[:, -1] &= (1 << (self.mask_vocab % 32)) - 1
-        rows = []
-        for c, (i, matcher) in enumerate(zip(indices, matchers)):
-            if matcher.is_completed() and not (bitmask[c].numpy().view(np.uint32) & self._stop_words).any():
-                ended.append(samplers[i])  # complete, and only a stop token may follow: done now
-            else:
-                rows.append(c)
-        if len(rows) < len(indices):  # drop the rows of sequences that ended
-            bitmask = bitmask[rows]
+        # one pass over [C, W] instead of a call per row: rows that allow no token but a stop token
+        only_stop = ~(bitmask.numpy().view(np.uint32) & self._stop_words).any(axis=1)
+        for c in np.flatnonzero(only_stop).tolist():
+            if matchers[c].is_completed():  # complete, and only a stop token may follow: done now
+                ended.append(samplers[indices[c]])
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
-        return [indices[c] for c in rows], bitmask, ended
+        return indices, bitmask, ended
