@@ -13,6 +13,8 @@ and values are read once per group), and writes for each query head, with s = q.
 (m_c: max of s over the split). Splits that start past kv_lens[i] write nothing.
 Stage 2: program (i, q head) merges the C_i = ceil(kv_lens[i] / S_i) splits of the sequence:
     o = sum_c 2^(lse_c - lse) o_c,   lse = log2(sum_c 2^lse_c)
+With C = 1 (many sequences: a big batch fills the GPU without splitting) stage 1 writes o itself
+and stage 2 is not launched (it cost ~6 us a layer at 256 sequences on an H200).
 A sequence with kv_lens[i] == 0 gets o = 0 (the reference gives NaN).
 The grid (Hk, C, B) comes from host ints only (C from B, Hk, the SM count and max_kv_len): no host
 sync, and since the split length follows each sequence's own length, a CUDA graph captured with
@@ -41,9 +43,13 @@ def _decode_split_kernel(
     kv_lens_ptr,  # [B] int32 context length of each sequence
     part_o_ptr,  # [B, Hq, C, D] fp32 o_c of each split (contiguous)
     part_lse_ptr,  # [B, Hq, C] fp32 lse_c of each split (contiguous)
+    out_ptr,  # [B, Hq, D] the output, written here when C == 1
+    out_stride_b,  # elements between two sequences of out
+    out_stride_h,  # elements between two heads of out
     num_q_heads,  # Hq
     num_splits,  # C, the most splits of one sequence
     qk_scale,  # softmax scale * log2(e)
+    DIRECT: tl.constexpr,  # C == 1: o = o_0, stored in out (no merge launch, no fp32 round trip)
     GROUP: tl.constexpr,  # G = Hq / Hk
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_G: tl.constexpr,  # next power of 2 >= G, at least 16 (the smallest tl.dot tile)
@@ -59,16 +65,19 @@ def _decode_split_kernel(
     kv_len = tl.load(kv_lens_ptr + seq)
     split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N  # S_i
     split_start = split * split_len
-    if split_start >= kv_len:
-        return
-    split_end = tl.minimum(split_start + split_len, kv_len)
-    token_row = req_to_token_ptr + tl.load(req_rows_ptr + seq).to(tl.int64) * req_to_token_stride
-
     group = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
     group_mask = group < GROUP
     dim_mask = dims < HEAD_DIM
     heads = kv_head * GROUP + group  # query heads of this kv head
+    out_ptrs = out_ptr + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :]
+    out_mask = group_mask[:, None] & dim_mask[None, :]
+    if split_start >= kv_len:
+        if DIRECT:  # empty context (the only split starts past it): o = 0
+            tl.store(out_ptrs, tl.zeros([BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=out_mask)
+        return
+    split_end = tl.minimum(split_start + split_len, kv_len)
+    token_row = req_to_token_ptr + tl.load(req_rows_ptr + seq).to(tl.int64) * req_to_token_stride
     q = tl.load(
         q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
         mask=group_mask[:, None] & dim_mask[None, :],
@@ -96,13 +105,12 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    part = (seq * num_q_heads + heads) * num_splits + split  # row of [B * Hq * C]
-    tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=group_mask)
-    tl.store(
-        part_o_ptr + part[:, None] * HEAD_DIM + dims[None, :],
-        acc / l_i[:, None],
-        mask=group_mask[:, None] & dim_mask[None, :],
-    )
+    if DIRECT:
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = (seq * num_q_heads + heads) * num_splits + split  # row of [B * Hq * C]
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=group_mask)
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None], mask=out_mask)
 
 
 @triton.jit
@@ -174,9 +182,10 @@ def _decode_attention_launch(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
+    direct = num_splits == 1
     f32 = dict(dtype=torch.float32, device=q.device)
-    part_o = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), **f32)
-    part_lse = torch.empty((num_seqs, num_q_heads, num_splits), **f32)
+    part_o = torch.empty((num_seqs, num_q_heads, 0 if direct else num_splits, head_dim), **f32)
+    part_lse = torch.empty((num_seqs, num_q_heads, 0 if direct else num_splits), **f32)
     block_d = max(triton.next_power_of_2(head_dim), 16)
     _decode_split_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, q.stride(0), q.stride(1),
@@ -184,8 +193,10 @@ def _decode_attention_launch(
         req_to_token, req_to_token.stride(0),
         req_rows, kv_lens,
         part_o, part_lse,
+        out, out.stride(0), out.stride(1),
         num_q_heads, num_splits,
         scale * math.log2(math.e),
+        DIRECT=direct,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_G=max(triton.next_power_of_2(group), 16),
@@ -195,6 +206,8 @@ def _decode_attention_launch(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if direct:
+        return out
     _decode_merge_kernel[(num_seqs, num_q_heads)](
         part_o, part_lse, kv_lens,
         out, out.stride(0), out.stride(1),
