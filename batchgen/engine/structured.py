@@ -12,6 +12,7 @@ one op (kernels/token_bitmask.py). xgrammar is imported only when a row is const
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -29,6 +30,12 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 # distinct specs kept compiled; a sequence holds its own grammar, so an evicted one is only recompiled
 # for rows that come later (a job with a schema per row does not keep every one)
 CACHE_SIZE = 256
+# A step's bitmasks are filled on one thread while that costs less than this, else on a few: a
+# thread pool's start costs ~0.2 ms (1 ms where xgrammar's default takes half of a big host's
+# cores), more than a simple grammar's whole fill (256 rows in 0.05 ms), far less than a large
+# vocabulary's hard states (tens of us a row).
+THREADED_FILL_S = 0.5e-3
+RETRY_ONE_THREAD_STEPS = 64  # once on threads, a step on one thread this often re-measures it
 
 
 class GrammarError(ValueError):
@@ -80,7 +87,9 @@ class StructuredDecoding:
         # [max_num_seqs, W] int32. One buffer is enough: a fill comes after the read-back of the step
         # that the previous fill's copy was queued in, so that copy is done.
         self._bitmask: torch.Tensor | None = None
-        self._batch_matcher = None
+        self._fillers = None  # (one thread, a few threads) xgrammar BatchGrammarMatchers
+        self._one_thread_row_s = 0.0  # the last one-thread fill's time per row
+        self._threaded_steps = 0
         self._stop_words: np.ndarray | None = None  # [W] uint32: every bit except the stop tokens'
         # host time spent filling bitmasks (per constrained step) and accepting tokens, for benchmarks
         self.mask_seconds = self.accept_seconds = 0.0
@@ -143,7 +152,9 @@ class StructuredDecoding:
         if self._bitmask is None:
             words = (self.mask_vocab + 31) // 32  # (the kernel masks the LM head's ids past these)
             self._bitmask = torch.empty((self.max_num_seqs, words), dtype=torch.int32, pin_memory=self.pin_memory)
-            self._batch_matcher = xgr.BatchGrammarMatcher()
+            threads = max(1, min(8, available_cpus() // 2))
+            self._fillers = (xgr.BatchGrammarMatcher(max_threads=1),
+                             xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else None)
             stop = np.full(words, 0xFFFFFFFF, dtype=np.uint32)
             for t in self.stop_ids:
                 stop[t // 32] &= ~np.uint32(1 << (t % 32))
@@ -175,7 +186,7 @@ class StructuredDecoding:
         if not matchers:
             return [], None, ended
         bitmask = self._bitmask[: len(matchers)]
-        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        self._fill_bitmasks(matchers, bitmask)
         if self.mask_vocab % 32:  # xgrammar leaves the last word's bits past its vocabulary set
             bitmask[:, -1] &= (1 << (self.mask_vocab % 32)) - 1
         # one pass over [C, W] instead of a call per row: rows that allow no token but a stop token
@@ -186,3 +197,24 @@ class StructuredDecoding:
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
         return indices, bitmask, ended
+
+    def _fill_bitmasks(self, matchers: list, bitmask: torch.Tensor) -> None:
+        """xgrammar fills the rows, on one thread or on a few (THREADED_FILL_S)."""
+        one, threaded = self._fillers
+        slow = threaded is not None and self._one_thread_row_s * len(matchers) > THREADED_FILL_S
+        if slow and self._threaded_steps < RETRY_ONE_THREAD_STEPS:
+            self._threaded_steps += 1
+            threaded.batch_fill_next_token_bitmask(matchers, bitmask)
+            return
+        start = time.perf_counter()
+        one.batch_fill_next_token_bitmask(matchers, bitmask)
+        self._one_thread_row_s = (time.perf_counter() - start) / len(matchers)
+        self._threaded_steps = 0
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (a container's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
