@@ -18,7 +18,6 @@ import triton.language as tl
 _M32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # multiplier of both mix rounds
 _TOKEN_SALT = 0x9E3779B9  # added to token ids before mixing
-LN2: tl.constexpr = 0.6931471805599453
 
 
 @triton.jit
@@ -64,7 +63,7 @@ def _gumbel_argmax_parts_kernel(
         token_key = _hash32((idx.to(tl.int64) + 0x9E3779B9).to(tl.uint32))
         bits = _hash32(key ^ token_key) >> 8
         u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        gumbel = -LN2 * tl.log2(-LN2 * tl.log2(u))  # -ln(-ln u); log2 is one fast instruction
+        gumbel = -0.6931471805599453 * tl.log2(-0.6931471805599453 * tl.log2(u))  # -ln(-ln u), fast log2
         score = tl.where(noisy, x * inv_t + gumbel, x)
         score = tl.where(mask, score, float("-inf"))
         better = score > best_val  # strict: a lane keeps its first maximum
