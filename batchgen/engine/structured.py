@@ -30,12 +30,11 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 # distinct specs kept compiled; a sequence holds its own grammar, so an evicted one is only recompiled
 # for rows that come later (a job with a schema per row does not keep every one)
 CACHE_SIZE = 256
-# A step's bitmasks are filled on one thread while that costs less than this, else on a few: a
+# A step's bitmasks are filled on one thread or on a few, whichever was faster per row lately: a
 # thread pool's start costs ~0.2 ms (1 ms where xgrammar's default takes half of a big host's
 # cores), more than a simple grammar's whole fill (256 rows in 0.05 ms), far less than a large
-# vocabulary's hard states (tens of us a row).
-THREADED_FILL_S = 0.5e-3
-RETRY_ONE_THREAD_STEPS = 64  # once on threads, a step on one thread this often re-measures it
+# vocabulary's hard states (tens of us a row). The other way is tried again every EXPLORE_STEPS.
+EXPLORE_STEPS = 64
 
 
 class GrammarError(ValueError):
@@ -88,8 +87,8 @@ class StructuredDecoding:
         # that the previous fill's copy was queued in, so that copy is done.
         self._bitmask: torch.Tensor | None = None
         self._fillers = None  # (one thread, a few threads) xgrammar BatchGrammarMatchers
-        self._one_thread_row_s = 0.0  # the last one-thread fill's time per row
-        self._threaded_steps = 0
+        self._row_seconds = [0.0, 0.0]  # per filler: its recent fill time per row (0: not yet measured)
+        self._fill_steps = 0
         self._stop_words: np.ndarray | None = None  # [W] uint32: every bit except the stop tokens'
         # host time spent filling bitmasks (per constrained step) and accepting tokens, for benchmarks
         self.mask_seconds = self.accept_seconds = 0.0
@@ -199,17 +198,15 @@ class StructuredDecoding:
         return indices, bitmask, ended
 
     def _fill_bitmasks(self, matchers: list, bitmask: torch.Tensor) -> None:
-        """xgrammar fills the rows, on one thread or on a few (THREADED_FILL_S)."""
-        one, threaded = self._fillers
-        slow = threaded is not None and self._one_thread_row_s * len(matchers) > THREADED_FILL_S
-        if slow and self._threaded_steps < RETRY_ONE_THREAD_STEPS:
-            self._threaded_steps += 1
-            threaded.batch_fill_next_token_bitmask(matchers, bitmask)
-            return
+        """xgrammar fills the rows, on one thread or on a few: the faster lately, the other now and then."""
+        times = self._row_seconds
+        best = 0 if self._fillers[1] is None or times[0] <= times[1] else 1
+        self._fill_steps += 1
+        use = 1 - best if self._fillers[1] is not None and self._fill_steps % EXPLORE_STEPS == 0 else best
         start = time.perf_counter()
-        one.batch_fill_next_token_bitmask(matchers, bitmask)
-        self._one_thread_row_s = (time.perf_counter() - start) / len(matchers)
-        self._threaded_steps = 0
+        self._fillers[use].batch_fill_next_token_bitmask(matchers, bitmask)
+        row_s = (time.perf_counter() - start) / len(matchers)
+        times[use] = row_s if times[use] == 0.0 else 0.5 * (times[use] + row_s)
 
 
 def available_cpus() -> int:

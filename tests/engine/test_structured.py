@@ -229,13 +229,14 @@ def test_the_grammar_covers_the_tokenizers_ids_not_the_lm_heads_padding(llm):
 
 
 def test_bitmasks_filled_on_threads_equal_those_filled_on_one(llm, monkeypatch):
-    """A fill slower than THREADED_FILL_S (here: any) moves to the thread pool, and goes back to
-    one thread every RETRY_ONE_THREAD_STEPS steps to re-measure; the masks are the same."""
+    """Each step's masks are filled the way that was faster per row lately (here the thread pool:
+    the one-thread filler is made slow), the other every EXPLORE_STEPS; the masks are the same."""
+    import time
+
     from batchgen.engine import structured
 
     monkeypatch.setattr(structured, "available_cpus", lambda: 4)
-    monkeypatch.setattr(structured, "THREADED_FILL_S", 0.0)
-    monkeypatch.setattr(structured, "RETRY_ONE_THREAD_STEPS", 2)
+    monkeypatch.setattr(structured, "EXPLORE_STEPS", 3)
     decoding = structured.StructuredDecoding(llm.tokenizer, 384, [EOS], max_num_seqs=8, pin_memory=False)
     spec = check_structured({"structured_outputs": {"regex": "[a-f]{3}(x|yz)[0-9]+"}})
     seqs = [SimpleNamespace(structured=spec, status=Status.RUNNING, matcher=None, grammar=None, error=None)
@@ -245,15 +246,19 @@ def test_bitmasks_filled_on_threads_equal_those_filled_on_one(llm, monkeypatch):
         assert seq.matcher.accept_string(prefix) if prefix else True
     calls = []
 
-    def spy(name, filler):
-        return SimpleNamespace(batch_fill_next_token_bitmask=lambda *a: (calls.append(name),
-                                                                          filler.batch_fill_next_token_bitmask(*a)))
+    def spy(name, filler, delay):
+        def fill(*args):
+            calls.append(name)
+            time.sleep(delay)
+            filler.batch_fill_next_token_bitmask(*args)
+        return SimpleNamespace(batch_fill_next_token_bitmask=fill)
 
     one, threaded = decoding._fillers
     assert threaded is not None
-    decoding._fillers = (spy("one", one), spy("threads", threaded))
-    masks = [decoding.fill(seqs)[1].clone() for _ in range(5)]
-    assert calls == ["threads", "threads", "one", "threads", "threads"]  # (the first fill was on one)
+    decoding._fillers = (spy("one", one, 0.005), spy("threads", threaded, 0.0))
+    decoding._row_seconds, decoding._fill_steps = [0.0, 0.0], 0
+    masks = [decoding.fill(seqs)[1].clone() for _ in range(6)]
+    assert calls == ["one", "threads", "one", "threads", "threads", "one"]
     assert all(torch.equal(m, masks[0]) for m in masks) and len(masks[0].unique()) > 1
 
 
