@@ -180,6 +180,31 @@ def as_token_ids(requests: list[dict], model_dir: Path) -> list[dict]:
     return [{"id": r["id"], "prompt_token_ids": i, "max_tokens": r["max_tokens"]} for r, i in zip(requests, ids)]
 
 
+class HostPauses:
+    """Within the block: Python's garbage-collector time and the CUDA allocator's retries (a
+    retry frees every cached block and synchronizes the device), to explain a slow run."""
+
+    def __enter__(self):
+        self.gc_s, self._start = 0.0, None
+        gc.callbacks.append(self._on_gc)
+        self._retries = self._alloc_retries()
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._on_gc)
+        self.alloc_retries = self._alloc_retries() - self._retries
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.gc_s += time.perf_counter() - self._start
+
+    @staticmethod
+    def _alloc_retries() -> int:
+        return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
+
+
 def empty_cache() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -241,7 +266,7 @@ def run_batchgen(model_dir: Path, variants: dict[str, list[dict]], temperature: 
                 llm.engine.scheduler.cache.clear()
             structured = llm.engine.structured
             structured.mask_seconds, structured.accept_seconds, structured.mask_steps = 0.0, 0.0, 0
-            with GpuBusy() as busy:
+            with GpuBusy() as busy, HostPauses() as pauses:
                 start = time.perf_counter()
                 results = llm.generate_list(requests, params)
                 wall = time.perf_counter() - start
@@ -256,6 +281,7 @@ def run_batchgen(model_dir: Path, variants: dict[str, list[dict]], temperature: 
             runs[name].append({"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens,
                                "ttft_p50_s": ttft[len(ttft) // 2], "gpu_busy_pct": busy.percent,
                                "startup_s": startup, "prefix_cache_hit_rate": round(hit_rate, 4),
+                               "gc_s": round(pauses.gc_s, 3), "alloc_retries": pauses.alloc_retries,
                                "completion_tokens": [r["completion_tokens"] for r in results]})
             if structured.mask_steps:
                 runs[name][-1]["mask_ms_per_step"] = 1000 * structured.mask_seconds / structured.mask_steps
@@ -266,6 +292,8 @@ def run_batchgen(model_dir: Path, variants: dict[str, list[dict]], temperature: 
     best = {name: max(r, key=lambda run: run["tok_s"]) for name, r in runs.items()}
     for name, r in runs.items():
         best[name]["runs_tok_s"] = [round(run["tok_s"], 1) for run in r]
+        best[name]["runs_gc_s"] = [run["gc_s"] for run in r]
+        best[name]["runs_alloc_retries"] = [run["alloc_retries"] for run in r]
     return best
 
 
@@ -358,7 +386,8 @@ def main(argv=None):
                                     args.repeats or 1, args.warm_up)[workload]
             line.update({"batchgen_tok_s": round(ours["tok_s"], 1), "batchgen_wall_s": round(ours["wall_s"], 2),
                          "batchgen_ttft_p50_s": round(ours["ttft_p50_s"], 3), "gpu_busy_pct": ours["gpu_busy_pct"],
-                         "runs_tok_s": ours["runs_tok_s"], "startup_s": round(ours["startup_s"], 2),
+                         "runs_tok_s": ours["runs_tok_s"], "runs_gc_s": ours["runs_gc_s"],
+                         "runs_alloc_retries": ours["runs_alloc_retries"], "startup_s": round(ours["startup_s"], 2),
                          "warm_up_job": args.warm_up, "prefix_cache_hit_rate": ours["prefix_cache_hit_rate"]})
             repeats = args.repeats or 1
 

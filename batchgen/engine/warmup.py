@@ -97,6 +97,11 @@ def warm_up(runner) -> None:
             fb = synthetic_batch(kv, dev, decode_lens, chunks)
             fb.record_slots()
             warm_sampling(runner.model.compute_logits(runner.model(fb)))
+        # the LM head at every number of sampled rows: cuBLAS picks a kernel by shape, and a kernel's
+        # first launch loads its module (CUDA lazy loading), which a first job would otherwise pay
+        hidden = torch.zeros((runner.config.max_num_seqs, runner.model_cfg.hidden_size), dtype=runner.dtype, device=dev)
+        for rows in range(1, hidden.shape[0] + 1):
+            runner.model.compute_logits(hidden[:rows])
         kv.req_to_token.zero_()  # the synthetic rows' entries
         kv.req_to_token[kv.pad_row, 0] = kv.pad_slot
     torch.cuda.synchronize(dev)

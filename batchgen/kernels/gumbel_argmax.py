@@ -28,7 +28,9 @@ def _hash32(x):
     return (x >> 16) ^ x
 
 
-@triton.jit
+# The part count and size change with the number of rows: not specialized (a value divisible by 16,
+# or 1, would be another compile in the middle of a job).
+@triton.jit(do_not_specialize=["part_size", "num_parts"])
 def _gumbel_argmax_parts_kernel(
     logits_ptr,  # [S, V] fp32
     logits_stride,  # elements between two rows of logits
@@ -78,13 +80,13 @@ def _gumbel_argmax_parts_kernel(
     tl.store(part_arg_ptr + row * num_parts + part, best_idx.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_parts"])
 def _argmax_of_parts_kernel(
     part_max_ptr,  # [S, P] fp32
     part_arg_ptr,  # [S, P] int64
     out_ptr,  # [S] int64 chosen token ids
     num_parts,  # P
-    PARTS: tl.constexpr,  # P rounded up to a power of two
+    PARTS: tl.constexpr,  # MAX_PARTS, whatever P (one compile)
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, PARTS)
@@ -95,6 +97,7 @@ def _argmax_of_parts_kernel(
 
 BLOCK = 1024
 PROGRAMS = 1024  # enough programs to fill an H100/H200 (132 SMs) several times over
+MAX_PARTS = 128
 
 
 def gumbel_argmax_triton(
@@ -110,7 +113,7 @@ def gumbel_argmax_triton(
     if rows == 0:
         return out
     blocks = triton.cdiv(vocab, BLOCK)
-    parts = min(blocks, parts or triton.cdiv(PROGRAMS, rows))
+    parts = min(blocks, MAX_PARTS, parts or triton.cdiv(PROGRAMS, rows))
     part_size = triton.cdiv(blocks, parts) * BLOCK
     parts = triton.cdiv(vocab, part_size)  # (no empty part)
     part_max = torch.empty((rows, parts), dtype=torch.float32, device=logits.device)
@@ -119,7 +122,7 @@ def gumbel_argmax_triton(
         logits, logits.stride(0), temperatures, seeds, steps, part_max, part_arg,
         vocab, part_size, parts, BLOCK=BLOCK, num_warps=4,
     )
-    _argmax_of_parts_kernel[(rows,)](part_max, part_arg, out, parts, PARTS=triton.next_power_of_2(parts))
+    _argmax_of_parts_kernel[(rows,)](part_max, part_arg, out, parts, PARTS=MAX_PARTS)
     return out
 
 
