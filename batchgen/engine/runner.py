@@ -163,10 +163,22 @@ class ModelRunner:
         logits order); and the prompt tokens scored for prompt_logprobs as (sequence, count, target
         ids), whose logits follow the samplers' in logits_indices. Input tokens that the step in
         flight is sampling are listed in pending_dst/pending_src."""
-        input_ids, positions, token_rows, logits_indices, samplers = [], [], [], [], []
+        nd = batch.num_decode
+        rows = [s.row for s in batch.seqs]
+        # Decodes first (one token each, always sampled, never scoring a prompt token): a tight loop.
+        input_ids, positions, token_rows = [], batch.starts[:nd], rows[:nd]
+        logits_indices, samplers = list(range(nd)), batch.seqs[:nd]
         scored, score_indices = [], []
         pending_dst, pending_src = [], []  # input tokens still on the device: (batch index, sample row)
-        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new):
+        for i, (seq, start) in enumerate(zip(samplers, positions)):
+            token_ids = seq.token_ids
+            if start < len(token_ids):
+                input_ids.append(token_ids[start])
+            else:  # sampled by the step in flight: taken from its output on the device
+                pending_dst.append(i)
+                pending_src.append(seq.logits_row)
+                input_ids.append(0)
+        for seq, start, n in zip(batch.seqs[nd:], batch.starts[nd:], batch.num_new[nd:]):
             first = len(input_ids)
             if n == 1:
                 if start < len(seq.token_ids):
@@ -192,8 +204,6 @@ class ModelRunner:
                     scored.append((seq, hi - lo, seq.token_ids[lo + 1 : hi + 1]))
                     seq.num_prompt_scored = hi
         logits_indices += score_indices
-        nd = batch.num_decode
-        rows = [s.row for s in batch.seqs]
         kv_lens = [start + n for start, n in zip(batch.starts, batch.num_new)]
         cu_q = [0, *itertools.accumulate(batch.num_new)]
         q_start = [c - nd for c in cu_q[nd:-1]]

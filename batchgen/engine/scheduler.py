@@ -49,8 +49,12 @@ class ScheduledBatch:
 
 
 def expected_future_tokens(seq: Sequence) -> int:
-    fraction = 1.0 if seq.params.ignore_eos else EXPECTED_OUTPUT_FRACTION
-    return seq.num_uncomputed + math.ceil(fraction * (seq.params.max_tokens - seq.num_generated))
+    """Its uncomputed tokens + the expected share of its tokens still to generate (the sequence's
+    properties inlined: summed over every running sequence at each admission)."""
+    num_tokens = len(seq.token_ids) + seq.num_pending
+    left = seq.params.max_tokens - (num_tokens - seq.num_prompt)
+    expected = left if seq.params.ignore_eos else math.ceil(EXPECTED_OUTPUT_FRACTION * left)
+    return num_tokens - seq.num_computed + expected
 
 
 class Scheduler:
@@ -88,9 +92,7 @@ class Scheduler:
         def take(seq: Sequence, n: int) -> None:
             start = seq.num_computed
             if seq.num_in_table < start:  # cached slots attached since its last step: into its row
-                batch.prefix_rows.extend(array("q", [seq.row]) * (start - seq.num_in_table))
-                batch.prefix_positions.extend(self._positions(seq.num_in_table, start))
-                batch.prefix_slots.extend(seq.slots[seq.num_in_table : start])
+                self._prefix_writes(batch, seq, start)
             seq.num_in_table = start + n  # the step writes its new tokens' slots itself
             batch.seqs.append(seq)
             batch.starts.append(start)
@@ -102,13 +104,21 @@ class Scheduler:
             if cache is not None and seq.num_cached == start < seq.num_prompt:
                 self._cache_prompt(seq, start, min(start + n, seq.num_prompt), slots)
 
-        for seq in list(self.running):  # decodes, oldest first
-            if seq.status is not Status.RUNNING or seq.num_uncomputed != 1 or seq.done_sampling:
-                continue
-            while not kv.free_slots and kv.num_available == 0 and seq.status is Status.RUNNING:
-                self.preempt(self.running[-1])
-            if seq.status is Status.RUNNING:
-                take(seq, 1)
+        # decodes (one token left to compute, sampling not done), oldest first; properties inlined:
+        # this runs for every running sequence every step
+        decodes = [
+            seq for seq in self.running
+            if len(seq.token_ids) + seq.num_pending - seq.num_computed == 1
+            and len(seq.token_ids) + seq.num_pending - seq.num_prompt < seq.params.max_tokens
+        ]
+        if len(decodes) <= len(kv.free_slots):
+            self._take_decodes(batch, decodes)
+        else:  # the pool may run dry: one at a time, preempting the newest as needed
+            for seq in decodes:
+                while not kv.free_slots and kv.num_available == 0 and seq.status is Status.RUNNING:
+                    self.preempt(self.running[-1])
+                if seq.status is Status.RUNNING:
+                    take(seq, 1)
         batch.num_decode = len(batch.seqs)
         budget -= batch.num_decode
 
@@ -127,7 +137,7 @@ class Scheduler:
             if seq.num_pending:  # preempted with a token still in flight: wait for its read-back
                 break
             if reserved is None:
-                reserved = sum(expected_future_tokens(s) for s in self.running)
+                reserved = sum(map(expected_future_tokens, self.running))
             node, cached = self._lookup(seq)  # locked: the check below counts only the rest
             need = expected_future_tokens(seq) - len(cached)
             n = min(seq.num_uncomputed - len(cached), budget, kv.num_available)
@@ -145,6 +155,32 @@ class Scheduler:
             budget -= n
             reserved += need - n
         return batch
+
+    def _take_decodes(self, batch: ScheduledBatch, decodes: list[Sequence]) -> None:
+        """take(seq, 1) for each of the decodes, with their slots allocated at once (they fit)."""
+        if not decodes:
+            return
+        cache = self.cache
+        slots = self.kv.alloc(len(decodes))
+        starts = batch.starts
+        for seq, slot in zip(decodes, slots):
+            start = seq.num_computed
+            if seq.num_in_table < start:
+                self._prefix_writes(batch, seq, start)
+            seq.num_in_table = seq.num_computed = start + 1
+            seq.slots.append(slot)
+            starts.append(start)
+            if cache is not None and seq.num_cached == start < seq.num_prompt:  # a prompt's last token
+                self._cache_prompt(seq, start, start + 1, seq.slots[start:])
+        batch.seqs += decodes
+        batch.num_new += [1] * len(decodes)
+        batch.slots += slots
+
+    def _prefix_writes(self, batch: ScheduledBatch, seq: Sequence, start: int) -> None:
+        """The token-table writes of cached slots attached to the sequence since its last step."""
+        batch.prefix_rows.extend(array("q", [seq.row]) * (start - seq.num_in_table))
+        batch.prefix_positions.extend(self._positions(seq.num_in_table, start))
+        batch.prefix_slots.extend(seq.slots[seq.num_in_table : start])
 
     def preempt(self, seq: Sequence) -> None:
         self._release(seq)
