@@ -104,16 +104,22 @@ class Scheduler:
             if cache is not None and seq.num_cached == start < seq.num_prompt:
                 self._cache_prompt(seq, start, min(start + n, seq.num_prompt), slots)
 
-        # decodes (one token left to compute, sampling not done), oldest first; properties inlined:
-        # this runs for every running sequence every step
-        decodes = [
-            seq for seq in self.running
-            if len(seq.token_ids) + seq.num_pending - seq.num_computed == 1
-            and len(seq.token_ids) + seq.num_pending - seq.num_prompt < seq.params.max_tokens
-        ]
-        if len(decodes) <= len(kv.free_slots):
+        # One pass over the running sequences (every step, all of them: properties inlined) ->
+        # decodes (one token left to compute) and prompts part-way through, oldest first; those
+        # whose last token is sampled already have nothing to schedule.
+        decodes, partial = [], []
+        for seq in self.running:
+            num_tokens = len(seq.token_ids) + seq.num_pending
+            if num_tokens - seq.num_prompt >= seq.params.max_tokens:
+                continue
+            left = num_tokens - seq.num_computed
+            if left == 1:
+                decodes.append(seq)
+            elif left > 1:
+                partial.append(seq)
+        if len(decodes) <= kv.num_available:  # (alloc evicts cached slots it needs, in one call)
             self._take_decodes(batch, decodes)
-        else:  # the pool may run dry: one at a time, preempting the newest as needed
+        else:  # the pool runs dry: one at a time, preempting the newest as needed
             for seq in decodes:
                 while not kv.free_slots and kv.num_available == 0 and seq.status is Status.RUNNING:
                     self.preempt(self.running[-1])
@@ -122,14 +128,15 @@ class Scheduler:
         batch.num_decode = len(batch.seqs)
         budget -= batch.num_decode
 
-        for seq in self.running:  # prompts part-way through, oldest first
-            if seq.num_uncomputed > 0 and not seq.done_sampling:  # (this step's decodes have none left)
-                self._reuse(seq)  # what others computed since (a prompt they share)
-                n = min(seq.num_uncomputed, budget, kv.num_available)
-                if n <= 0:
-                    break
-                take(seq, n)
-                budget -= n
+        for seq in partial:
+            if seq.status is not Status.RUNNING:  # preempted above for a decode's slot
+                continue
+            self._reuse(seq)  # what others computed since (a prompt they share)
+            n = min(seq.num_uncomputed, budget, kv.num_available)
+            if n <= 0:
+                break
+            take(seq, n)
+            budget -= n
 
         reserved = None  # the running ones' expected KV use, summed only once a request may be admitted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
