@@ -178,21 +178,14 @@ class ModelRunner:
                 pending_dst.append(i)
                 pending_src.append(seq.logits_row)
                 input_ids.append(0)
+        # Prefill chunks: all their tokens are on the host (a token still in flight is always a
+        # sequence's last, so its sequence is a decode, and admission waits for read-backs).
         for seq, start, n in zip(batch.seqs[nd:], batch.starts[nd:], batch.num_new[nd:]):
             first = len(input_ids)
-            if n == 1:
-                if start < len(seq.token_ids):
-                    input_ids.append(seq.token_ids[start])
-                else:  # sampled by the step in flight: taken from its output on the device
-                    pending_dst.append(first)
-                    pending_src.append(seq.logits_row)
-                    input_ids.append(0)
-                positions.append(start)
-                token_rows.append(seq.row)
-            else:
-                input_ids.extend(seq.token_ids[start : start + n])
-                positions.extend(range(start, start + n))
-                token_rows.extend([seq.row] * n)
+            assert start + n <= len(seq.token_ids), "a prefill chunk reaches a token still in flight"
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            token_rows.extend([seq.row] * n)
             if start + n == seq.num_tokens:  # the chunk reaches the end: sample the next token
                 logits_indices.append(first + n - 1)
                 samplers.append(seq)
