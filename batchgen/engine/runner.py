@@ -295,17 +295,18 @@ class ModelRunner:
         tokens = top = None
         wanting = [i for i, s in enumerate(samplers) if s.logprobs is not None]
         if samplers:
+            lp_rows, lp = self._logprob_rows(logits, samplers)  # (before the mask changes the logits)
             if wanting:
-                wanting_rows = self._tensor(wanting, torch.int64)
-                wanted_lp = torch.log_softmax(logits[wanting_rows], dim=-1)
-            top = self._top_logprobs(logits, samplers)
+                wanted_lp = self._lp_of(lp_rows, lp, wanting)
+            top = self._top_logprobs(lp_rows, lp, samplers)
             if mask is not None:
                 rows, bitmask = mask
                 self._apply_mask(logits, rows, bitmask)
             tokens = sample(logits[:num_sampled], self.sampling_batch(samplers))
             self.tp.broadcast(tokens)  # the other ranks' next step may take input tokens from them
             if wanting:
-                outputs.append(wanted_lp.gather(1, tokens[wanting_rows][:, None]).squeeze(1))
+                wanted_tokens = tokens[self._tensor(wanting, torch.int64)]
+                outputs.append(wanted_lp.gather(1, wanted_tokens[:, None]).squeeze(1))
         if scored:
             targets = self._tensor([t for _, _, ids in scored for t in ids], torch.int64)
             lp = torch.log_softmax(logits[num_sampled:], dim=-1)
@@ -316,15 +317,29 @@ class ModelRunner:
         return StepOutput(samplers, wanting, [(seq, count) for seq, count, _ in scored], tokens,
                           torch.cat(outputs) if outputs else None, self.staging, top)
 
-    def _top_logprobs(self, logits: torch.Tensor, samplers: list[Sequence]):
+    def _logprob_rows(self, logits: torch.Tensor, samplers: list[Sequence]):
+        """The log-softmax of the samplers that asked for logprobs or top_logprobs, taken once ->
+        (their indices, [R, V] fp32 on the device), or ([], None)."""
+        rows = [i for i, s in enumerate(samplers) if s.logprobs is not None or s.num_top_logprobs > 0]
+        if not rows:
+            return rows, None
+        return rows, torch.log_softmax(logits[self._tensor(rows, torch.int64)], dim=-1)
+
+    def _lp_of(self, lp_rows: list[int], lp: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        """The rows of lp (taken for the samplers lp_rows) of the samplers `indices`, a subsequence."""
+        if len(indices) == len(lp_rows):
+            return lp
+        position = {row: j for j, row in enumerate(lp_rows)}
+        return lp[self._tensor([position[i] for i in indices], torch.int64)]
+
+    def _top_logprobs(self, lp_rows: list[int], lp: torch.Tensor | None, samplers: list[Sequence]):
         """-> (indices of samplers that asked for top_logprobs, their k, ids [T, k_max] int64,
         logprobs [T, k_max] fp32) on the device, or None when none asked."""
-        asking = [i for i, s in enumerate(samplers) if s.num_top_logprobs > 0]
+        asking = [i for i in lp_rows if samplers[i].num_top_logprobs > 0]
         if not asking:
             return None
         ks = [samplers[i].num_top_logprobs for i in asking]
-        lp = torch.log_softmax(logits[self._tensor(asking, torch.int64)], dim=-1)
-        values, ids = lp.topk(max(ks), dim=-1)
+        values, ids = self._lp_of(lp_rows, lp, asking).topk(max(ks), dim=-1)
         return asking, ks, ids, values
 
     def _apply_mask(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
