@@ -5,7 +5,10 @@
 
 u is a pure function of (seed, step, token id), so a row's sample never depends on the other rows
 of the batch, and a request recomputed after preemption draws the same tokens. The hash is a 32-bit
-integer mix (two multiply-xorshift rounds); 24 of its bits make u in (0, 1). The Triton kernels read
+integer mix (two multiply-xorshift rounds); 23 of its bits make u in (0, 1): with 24, bits + 0.5
+rounded to 2^24 in fp32 for the top half-unit, u was 1 and g = +inf for about one token in 2^24 of
+every row (a 128k vocabulary: one sample in 130 was a uniformly random token; a masked token's
+-inf + inf = NaN won torch's argmax). The Triton kernels read
 each row of logits once: programs over (row, part of the vocabulary), each a running max per lane over its
 blocks, then one program per row takes the first best part (a single row of a 128k vocabulary in
 one program took 97 us on an H200, 256 rows in 256 programs 157 us). The reference builds the
@@ -63,8 +66,8 @@ def _gumbel_argmax_parts_kernel(
         mask = idx < vocab
         x = tl.load(logits_ptr + row * logits_stride + idx, mask=mask, other=float("-inf"))
         token_key = _hash32((idx.to(tl.int64) + 0x9E3779B9).to(tl.uint32))
-        bits = _hash32(key ^ token_key) >> 8
-        u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        bits = _hash32(key ^ token_key) >> 9  # 23 bits: bits + 0.5 is exact in fp32, so u < 1
+        u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         gumbel = -0.6931471805599453 * tl.log2(-0.6931471805599453 * tl.log2(u))  # -ln(-ln u), fast log2
         score = tl.where(noisy, x * inv_t + gumbel, x)
         score = tl.where(mask, score, float("-inf"))
@@ -137,8 +140,8 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     """u in (0, 1), [S, V] fp32, a pure function of (seed, step, token id)."""
     key = hash32((seeds & _M32) ^ hash32(((seeds >> 32) & _M32) ^ hash32(steps & _M32)))  # [S]
     token_key = hash32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) + _TOKEN_SALT)
-    bits = hash32(key[:, None] ^ token_key[None, :]) >> 8  # 24 random bits
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+    bits = hash32(key[:, None] ^ token_key[None, :]) >> 9  # 23 random bits
+    return (bits.float() + 0.5) * (1.0 / (1 << 23))
 
 
 def gumbel_argmax_ref(

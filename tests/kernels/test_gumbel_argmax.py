@@ -63,3 +63,25 @@ def test_the_token_does_not_depend_on_the_number_of_parts(device, parts):
     one = gumbel_argmax_triton(logits, temperatures, seeds, steps, parts=1)
     assert torch.equal(gumbel_argmax_triton(logits, temperatures, seeds, steps, parts=parts), one)
     assert one[:2].tolist() == [2047, 2047]
+
+
+# Seed 3353 at step 0 hashes token 2460 to the top 24-bit value: where u was built from 24 bits, u
+# rounded to 1.0 there and its noise was +inf.
+TOP_NOISE_SEED, TOP_NOISE_TOKEN = 3353, 2460
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_noise_is_finite_for_every_token(device, masked):
+    """A token with a hopeless logit (or a masked one) is never drawn, whatever its noise: with
+    u = 1 it won as +inf (or, masked, as -inf + inf = NaN under torch's argmax)."""
+    logits = torch.randn(1, 4096, generator=torch.Generator().manual_seed(0))
+    logits[0, TOP_NOISE_TOKEN] = -1e4
+    if masked:
+        keep = logits[0, 7].item()
+        logits.fill_(float("-inf"))
+        logits[0, 7] = keep
+    args = [logits.to(device), torch.tensor([1.0], device=device), torch.tensor([TOP_NOISE_SEED], device=device),
+            torch.tensor([0], device=device)]
+    for fn in (gumbel_argmax_ref, gumbel_argmax_triton):
+        token = fn(*args).item()
+        assert token != TOP_NOISE_TOKEN and (token == 7 or not masked)
