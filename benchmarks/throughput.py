@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchgen import LLM, SamplingParams  # noqa: E402
+from batchgen.engine.request import chat_text  # noqa: E402
 
 MODELS = {
     "llama-3.2-1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -175,8 +176,8 @@ def as_token_ids(requests: list[dict], model_dir: Path) -> list[dict]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    texts = [tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True) for r in requests]
-    ids = tok(texts, add_special_tokens=False).input_ids
+    # as RequestPreparer tokenizes messages: the template's text, no special tokens added (it writes its own)
+    ids = tok([chat_text(r["messages"], tok) for r in requests], add_special_tokens=False).input_ids
     return [{"id": r["id"], "prompt_token_ids": i, "max_tokens": r["max_tokens"]} for r, i in zip(requests, ids)]
 
 
