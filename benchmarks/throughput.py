@@ -418,7 +418,8 @@ def main(argv=None):
                 base = other(free)
                 line.update({"mask_ms_per_step": round(ours.get("mask_ms_per_step", 0.0), 3),
                              "accept_ms_per_step": round(ours.get("accept_ms_per_step", 0.0), 3),
-                             "ended_by_grammar": sum(n < 64 for n in ours["completion_tokens"]),
+                             "ended_by_grammar": sum(n < r["max_tokens"]
+                                                     for r, n in zip(requests, ours["completion_tokens"])),
                              "unconstrained_tok_s": round(base["tok_s"], 1),
                              "unconstrained_runs_tok_s": base["runs_tok_s"],
                              "json_ratio": round(ours["tok_s"] / base["tok_s"], 3)})
