@@ -417,6 +417,17 @@ def bench_rope_store(model, cfg, copy_bw):
 # ---------------------------------------------------------------- table
 
 
+def fastest_variants(records, kinds) -> dict:
+    """(kind, model, shape) -> the fastest swept block-size variant timed for it, for the given kinds."""
+    best = {}
+    for r in records:
+        if r.get("kind") in kinds and "variant" in r and "ms" in r:
+            key = (r["kind"], r["model"], r["shape"])
+            if key not in best or r["ms"] < best[key]["ms"]:
+                best[key] = r
+    return best
+
+
 def print_table():
     rows = {}
     for r in RECORDS:
@@ -439,12 +450,7 @@ def print_table():
         speedup = f"{impls['torch']['ms'] / t['ms']:.1f}" if "torch" in impls else "-"
         print(f"{kind:<18} {model:<13} {shape:<30} {us('triton'):>10} {us('torch'):>10} {us('sdpa'):>9} "
               f"{speedup:>8} {t['bw_frac']:>8.2f} {t.get('tflops', '-'):>8}")
-    best = {}
-    for r in RECORDS:
-        if "variant" in r and "ms" in r and r["kind"] in ("decode_attention", "prefill_attention"):
-            key = (r["kind"], r["model"], r["shape"])
-            if key not in best or r["ms"] < best[key]["ms"]:
-                best[key] = r
+    best = fastest_variants(RECORDS, ("decode_attention", "prefill_attention"))  # unified's: the issue #11 table
     if best:
         print("\nfastest swept variant per shape:")
         for (kind, model, shape), r in best.items():
@@ -455,16 +461,11 @@ def print_table():
 
 def print_issue11_table():
     """unified attention against the split launches; fused rope + store against the two ops."""
-    rows, best = {}, {}
+    kinds = ("unified_attention", "rope_store_kv")
+    rows, best = {}, fastest_variants(RECORDS, kinds)
     for r in RECORDS:
-        if r.get("kind") not in ("unified_attention", "rope_store_kv") or "ms" not in r:
-            continue
-        key = (r["kind"], r["model"], r["shape"])
-        if "variant" in r:
-            if key not in best or r["ms"] < best[key]["ms"]:
-                best[key] = r
-        else:
-            rows.setdefault(key, {})[r["impl"]] = r
+        if r.get("kind") in kinds and "ms" in r and "variant" not in r:
+            rows.setdefault((r["kind"], r["model"], r["shape"]), {})[r["impl"]] = r
     if not rows:
         return
     print(f"\n{'op':<18} {'model':<13} {'shape':<28} {'new us':>8} {'old us':>8} {'old/new':>8} "
