@@ -112,6 +112,21 @@ def check_variant(kind, model, shape, variant, fn, expected) -> bool:
 ELEMENTWISE_TOKENS = [(256, "decode"), (8192, "prefill")]  # a decode batch, a prefill step
 
 
+def rope_store_inputs(cfg, tokens):
+    """The arguments of rope + KV store, in rope_store_kv's order: q, k, v [T, H, D] as views into one
+    qkv output, positions and a cos/sin table over 8192 positions, a pool of 2^17 slots, T slots in it."""
+    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d, dtype=DTYPE, device=DEVICE)
+    q, k, v = (x.view(tokens, -1, d) for x in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+    angles = torch.outer(torch.arange(8192, device=DEVICE).float(), torch.rand(d // 2, device=DEVICE))
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+    k_cache = torch.empty(1 << 17, hk, d, dtype=DTYPE, device=DEVICE)
+    v_cache = torch.empty_like(k_cache)
+    slots = torch.randperm(k_cache.shape[0], device=DEVICE)[:tokens]
+    return q, k, v, positions, cache, k_cache, v_cache, slots
+
+
 def bench_elementwise(model, cfg, copy_bw):
     hidden, inter = cfg["hidden"], cfg["inter"]
     hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
@@ -130,22 +145,10 @@ def bench_elementwise(model, cfg, copy_bw):
         measure("silu_and_mul", model, shape, 3 * tokens * inter * ELEM, {
             "triton": lambda: silu_and_mul_triton(gu), "torch": lambda: silu_and_mul_ref(gu)}, copy_bw)
 
-        qkv = torch.randn(tokens, (hq + 2 * hk) * d, dtype=DTYPE, device=DEVICE)
-        q = qkv[:, : hq * d].view(tokens, hq, d)
-        k = qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d)
-        v = qkv[:, (hq + hk) * d :].view(tokens, hk, d)
-        angles = torch.outer(torch.arange(8192, device=DEVICE).float(),
-                             torch.rand(d // 2, device=DEVICE))
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
-        positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+        q, k, v, positions, cache, k_cache, v_cache, slots = rope_store_inputs(cfg, tokens)
         measure("rotary", model, shape, 2 * tokens * (hq + hk) * d * ELEM + tokens * d * 4, {
             "triton": lambda: apply_rotary_triton(q, k, positions, cache),
             "torch": lambda: apply_rotary_ref(q, k, positions, cache)}, copy_bw)
-
-        num_slots = 1 << 17
-        k_cache = torch.empty(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
-        v_cache = torch.empty_like(k_cache)
-        slots = torch.randperm(num_slots, device=DEVICE)[:tokens]
         measure("store_kv", model, shape, 4 * tokens * hk * d * ELEM, {
             "triton": lambda: store_kv_triton(k, v, k_cache, v_cache, slots),
             "torch": lambda: store_kv_ref(k, v, k_cache, v_cache, slots)}, copy_bw)
@@ -394,14 +397,8 @@ def bench_unified(copy_bw, sweep, budget_s):
 def bench_rope_store(model, cfg, copy_bw):
     hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
     for tokens, phase in ELEMENTWISE_TOKENS:
-        qkv = torch.randn(tokens, (hq + 2 * hk) * d, dtype=DTYPE, device=DEVICE)
-        q, k, v = (x.view(tokens, -1, d) for x in qkv.split([hq * d, hk * d, hk * d], dim=-1))
-        angles = torch.outer(torch.arange(8192, device=DEVICE).float(), torch.rand(d // 2, device=DEVICE))
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
-        positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
-        k_cache = torch.empty(1 << 17, hk, d, dtype=DTYPE, device=DEVICE)
-        v_cache = torch.empty_like(k_cache)
-        slots = torch.randperm(k_cache.shape[0], device=DEVICE)[:tokens]
+        args = rope_store_inputs(cfg, tokens)
+        q, k, v, positions, cache, k_cache, v_cache, slots = args
 
         def unfused():
             apply_rotary_triton(q, k, positions, cache)
@@ -410,7 +407,7 @@ def bench_rope_store(model, cfg, copy_bw):
         # q read + written, k and v read, k and v written to the cache, cos/sin read
         nbytes = (2 * hq + 4 * hk) * tokens * d * ELEM + tokens * d * 4
         measure("rope_store_kv", model, f"{phase} T={tokens}", nbytes, {
-            "fused": lambda: rope_store_kv_triton(q, k, v, positions, cache, k_cache, v_cache, slots),
+            "fused": lambda: rope_store_kv_triton(*args),
             "unfused": unfused}, copy_bw)
 
 
