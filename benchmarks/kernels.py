@@ -170,6 +170,32 @@ def token_table(kv_lens):
     return num_slots, table
 
 
+def attention_inputs(cfg, seqs):
+    """One step's attention inputs for seqs [(q_len, kv_len)]: q [T, Hq, D], a K/V pool of random
+    contents behind token_table, and int32 per-sequence rows, q_start [B + 1] (the last: T), q_lens
+    and kv_lens."""
+    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    q_lens = [q for q, _ in seqs]
+    kv_lens = [kv for _, kv in seqs]
+    num_slots, table = token_table(kv_lens)
+    k_cache = torch.randn(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(sum(q_lens), hq, d, dtype=DTYPE, device=DEVICE)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    q_start = torch.tensor([0] + q_lens, **i32).cumsum(0).int()
+    return (q, k_cache, v_cache, table, torch.arange(len(seqs), **i32), q_start,
+            torch.tensor(q_lens, **i32), torch.tensor(kv_lens, **i32))
+
+
+def attention_cost(cfg, seqs) -> tuple[int, int]:
+    """flops (4 * D per visible (query, key) pair: each query sees its sequence's cached prefix and,
+    causally, its own chunk) and the fewest bytes (q read and the output written, K/V read once)."""
+    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    pairs = sum(ql * (kv - ql) + ql * (ql + 1) // 2 for ql, kv in seqs)
+    tokens, kv_tokens = sum(ql for ql, _ in seqs), sum(kv for _, kv in seqs)
+    return 4 * d * hq * pairs, (2 * tokens * hq * d + 2 * kv_tokens * hk * d) * ELEM
+
+
 def dense_kv(k_cache, v_cache, table, kv_len):
     """[B, Hk, L, D] copies of the K/V of equal-length sequences, for SDPA."""
     idx = table[:, :kv_len].long()
@@ -247,24 +273,12 @@ PREFILL_VARIANTS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 
 
 
 def bench_prefill(model, cfg, copy_bw, sweep, budget_s):
-    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    hq, d = cfg["q_heads"], cfg["head_dim"]
     scale = d**-0.5
     for shape, seqs in prefill_shapes():
-        q_lens = [q for q, _ in seqs]
-        kv_lens = [kv for _, kv in seqs]
-        num_slots, table = token_table(kv_lens)
-        k_cache = torch.randn(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
-        v_cache = torch.randn_like(k_cache)
-        total = sum(q_lens)
-        q = torch.randn(total, hq, d, dtype=DTYPE, device=DEVICE)
-        i32 = dict(dtype=torch.int32, device=DEVICE)
-        rows = torch.arange(len(seqs), **i32)
-        q_start = torch.tensor([0] + q_lens[:-1], **i32).cumsum(0).int()
-        args = (q, k_cache, v_cache, table, rows, q_start, torch.tensor(q_lens, **i32),
-                torch.tensor(kv_lens, **i32), max(q_lens), scale)
-        pairs = sum(ql * (kv - ql) + ql * (ql + 1) // 2 for ql, kv in seqs)
-        flops = 4 * d * hq * pairs
-        nbytes = (2 * total * hq * d + 2 * sum(kv_lens) * hk * d) * ELEM
+        q, k_cache, v_cache, table, rows, q_start, q_lens, kv_lens = attention_inputs(cfg, seqs)
+        args = (q, k_cache, v_cache, table, rows, q_start[:-1], q_lens, kv_lens, max(q for q, _ in seqs), scale)
+        flops, nbytes = attention_cost(cfg, seqs)
         torch.testing.assert_close(prefill_attention_triton(*args), prefill_attention_ref(*args),
                                    atol=1.6e-2, rtol=1.6e-2)
         impls = {"triton": lambda: prefill_attention_triton(*args),
@@ -321,22 +335,16 @@ UNIFIED_VARIANTS = [(64, 16, 64, 4, 3), (64, 16, 64, 8, 3), (128, 16, 64, 8, 3),
 def unified_case(cfg, seqs, padded):
     """Inputs of one step: the unified launch's arguments (and the padded step's), the split
     launches as a function, the bytes and flops of the step."""
-    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    hq, d = cfg["q_heads"], cfg["head_dim"]
     scale = d**-0.5
     i32 = dict(dtype=torch.int32, device=DEVICE)
     q_lens = [q for q, _ in seqs]
     kv_lens = [kv for _, kv in seqs]
     nd = next((i for i, q_len in enumerate(q_lens) if q_len > 1), len(seqs))  # leading decodes
-    num_slots, table = token_table(kv_lens)
-    k_cache = torch.randn(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
-    v_cache = torch.randn_like(k_cache)
+    q, k_cache, v_cache, table, rows, q_start, q_lens_t, lens = attention_inputs(cfg, seqs)
     total = sum(q_lens)
-    q = torch.randn(total, hq, d, dtype=DTYPE, device=DEVICE)
-    rows = torch.arange(len(seqs), **i32)
-    lens = torch.tensor(kv_lens, **i32)
-    q_start = torch.tensor([0] + q_lens, **i32).cumsum(0).int()
     prefill_start = q_start[nd:-1] - nd
-    prefill_q_lens = torch.tensor(q_lens[nd:], **i32)
+    prefill_q_lens = q_lens_t[nd:]
 
     def split():
         """The eager layer's launches: decode attention, then prefill attention."""
@@ -357,9 +365,7 @@ def unified_case(cfg, seqs, padded):
         pad_seqs = torch.zeros(pad_b - len(seqs), **i32)
         case["padded_args"] = (q_pad, k_cache, v_cache, table, torch.cat((rows, pad_seqs)),
                                torch.cat((q_start, pad_seqs + total)), torch.cat((lens, pad_seqs)), scale)
-    pairs = sum(ql * (kv - ql) + ql * (ql + 1) // 2 for ql, kv in seqs)
-    case["flops"] = 4 * d * hq * pairs
-    case["nbytes"] = (2 * total * hq * d + 2 * sum(kv_lens) * hk * d) * ELEM
+    case["flops"], case["nbytes"] = attention_cost(cfg, seqs)
     case["total"] = total
     return case
 
