@@ -112,6 +112,21 @@ def check_variant(kind, model, shape, variant, fn, expected) -> bool:
 ELEMENTWISE_TOKENS = [(256, "decode"), (8192, "prefill")]  # a decode batch, a prefill step
 
 
+def rope_store_inputs(cfg, tokens):
+    """The arguments of rope + KV store, in rope_store_kv's order: q, k, v [T, H, D] as views into one
+    qkv output, positions and a cos/sin table over 8192 positions, a pool of 2^17 slots, T slots in it."""
+    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d, dtype=DTYPE, device=DEVICE)
+    q, k, v = (x.view(tokens, -1, d) for x in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+    angles = torch.outer(torch.arange(8192, device=DEVICE).float(), torch.rand(d // 2, device=DEVICE))
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+    k_cache = torch.empty(1 << 17, hk, d, dtype=DTYPE, device=DEVICE)
+    v_cache = torch.empty_like(k_cache)
+    slots = torch.randperm(k_cache.shape[0], device=DEVICE)[:tokens]
+    return q, k, v, positions, cache, k_cache, v_cache, slots
+
+
 def bench_elementwise(model, cfg, copy_bw):
     hidden, inter = cfg["hidden"], cfg["inter"]
     hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
@@ -130,22 +145,10 @@ def bench_elementwise(model, cfg, copy_bw):
         measure("silu_and_mul", model, shape, 3 * tokens * inter * ELEM, {
             "triton": lambda: silu_and_mul_triton(gu), "torch": lambda: silu_and_mul_ref(gu)}, copy_bw)
 
-        qkv = torch.randn(tokens, (hq + 2 * hk) * d, dtype=DTYPE, device=DEVICE)
-        q = qkv[:, : hq * d].view(tokens, hq, d)
-        k = qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d)
-        v = qkv[:, (hq + hk) * d :].view(tokens, hk, d)
-        angles = torch.outer(torch.arange(8192, device=DEVICE).float(),
-                             torch.rand(d // 2, device=DEVICE))
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
-        positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
+        q, k, v, positions, cache, k_cache, v_cache, slots = rope_store_inputs(cfg, tokens)
         measure("rotary", model, shape, 2 * tokens * (hq + hk) * d * ELEM + tokens * d * 4, {
             "triton": lambda: apply_rotary_triton(q, k, positions, cache),
             "torch": lambda: apply_rotary_ref(q, k, positions, cache)}, copy_bw)
-
-        num_slots = 1 << 17
-        k_cache = torch.empty(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
-        v_cache = torch.empty_like(k_cache)
-        slots = torch.randperm(num_slots, device=DEVICE)[:tokens]
         measure("store_kv", model, shape, 4 * tokens * hk * d * ELEM, {
             "triton": lambda: store_kv_triton(k, v, k_cache, v_cache, slots),
             "torch": lambda: store_kv_ref(k, v, k_cache, v_cache, slots)}, copy_bw)
@@ -165,6 +168,32 @@ def token_table(kv_lens):
         table[i, :n] = perm[used : used + n]
         used += n
     return num_slots, table
+
+
+def attention_inputs(cfg, seqs):
+    """One step's attention inputs for seqs [(q_len, kv_len)]: q [T, Hq, D], a K/V pool of random
+    contents behind token_table, and int32 per-sequence rows, q_start [B + 1] (the last: T), q_lens
+    and kv_lens."""
+    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    q_lens = [q for q, _ in seqs]
+    kv_lens = [kv for _, kv in seqs]
+    num_slots, table = token_table(kv_lens)
+    k_cache = torch.randn(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(sum(q_lens), hq, d, dtype=DTYPE, device=DEVICE)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    q_start = torch.tensor([0] + q_lens, **i32).cumsum(0).int()
+    return (q, k_cache, v_cache, table, torch.arange(len(seqs), **i32), q_start,
+            torch.tensor(q_lens, **i32), torch.tensor(kv_lens, **i32))
+
+
+def attention_cost(cfg, seqs) -> tuple[int, int]:
+    """flops (4 * D per visible (query, key) pair: each query sees its sequence's cached prefix and,
+    causally, its own chunk) and the fewest bytes (q read and the output written, K/V read once)."""
+    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    pairs = sum(ql * (kv - ql) + ql * (ql + 1) // 2 for ql, kv in seqs)
+    tokens, kv_tokens = sum(ql for ql, _ in seqs), sum(kv for _, kv in seqs)
+    return 4 * d * hq * pairs, (2 * tokens * hq * d + 2 * kv_tokens * hk * d) * ELEM
 
 
 def dense_kv(k_cache, v_cache, table, kv_len):
@@ -244,24 +273,12 @@ PREFILL_VARIANTS = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 
 
 
 def bench_prefill(model, cfg, copy_bw, sweep, budget_s):
-    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    hq, d = cfg["q_heads"], cfg["head_dim"]
     scale = d**-0.5
     for shape, seqs in prefill_shapes():
-        q_lens = [q for q, _ in seqs]
-        kv_lens = [kv for _, kv in seqs]
-        num_slots, table = token_table(kv_lens)
-        k_cache = torch.randn(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
-        v_cache = torch.randn_like(k_cache)
-        total = sum(q_lens)
-        q = torch.randn(total, hq, d, dtype=DTYPE, device=DEVICE)
-        i32 = dict(dtype=torch.int32, device=DEVICE)
-        rows = torch.arange(len(seqs), **i32)
-        q_start = torch.tensor([0] + q_lens[:-1], **i32).cumsum(0).int()
-        args = (q, k_cache, v_cache, table, rows, q_start, torch.tensor(q_lens, **i32),
-                torch.tensor(kv_lens, **i32), max(q_lens), scale)
-        pairs = sum(ql * (kv - ql) + ql * (ql + 1) // 2 for ql, kv in seqs)
-        flops = 4 * d * hq * pairs
-        nbytes = (2 * total * hq * d + 2 * sum(kv_lens) * hk * d) * ELEM
+        q, k_cache, v_cache, table, rows, q_start, q_lens, kv_lens = attention_inputs(cfg, seqs)
+        args = (q, k_cache, v_cache, table, rows, q_start[:-1], q_lens, kv_lens, max(q for q, _ in seqs), scale)
+        flops, nbytes = attention_cost(cfg, seqs)
         torch.testing.assert_close(prefill_attention_triton(*args), prefill_attention_ref(*args),
                                    atol=1.6e-2, rtol=1.6e-2)
         impls = {"triton": lambda: prefill_attention_triton(*args),
@@ -318,22 +335,16 @@ UNIFIED_VARIANTS = [(64, 16, 64, 4, 3), (64, 16, 64, 8, 3), (128, 16, 64, 8, 3),
 def unified_case(cfg, seqs, padded):
     """Inputs of one step: the unified launch's arguments (and the padded step's), the split
     launches as a function, the bytes and flops of the step."""
-    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    hq, d = cfg["q_heads"], cfg["head_dim"]
     scale = d**-0.5
     i32 = dict(dtype=torch.int32, device=DEVICE)
     q_lens = [q for q, _ in seqs]
     kv_lens = [kv for _, kv in seqs]
     nd = next((i for i, q_len in enumerate(q_lens) if q_len > 1), len(seqs))  # leading decodes
-    num_slots, table = token_table(kv_lens)
-    k_cache = torch.randn(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
-    v_cache = torch.randn_like(k_cache)
+    q, k_cache, v_cache, table, rows, q_start, q_lens_t, lens = attention_inputs(cfg, seqs)
     total = sum(q_lens)
-    q = torch.randn(total, hq, d, dtype=DTYPE, device=DEVICE)
-    rows = torch.arange(len(seqs), **i32)
-    lens = torch.tensor(kv_lens, **i32)
-    q_start = torch.tensor([0] + q_lens, **i32).cumsum(0).int()
     prefill_start = q_start[nd:-1] - nd
-    prefill_q_lens = torch.tensor(q_lens[nd:], **i32)
+    prefill_q_lens = q_lens_t[nd:]
 
     def split():
         """The eager layer's launches: decode attention, then prefill attention."""
@@ -354,9 +365,7 @@ def unified_case(cfg, seqs, padded):
         pad_seqs = torch.zeros(pad_b - len(seqs), **i32)
         case["padded_args"] = (q_pad, k_cache, v_cache, table, torch.cat((rows, pad_seqs)),
                                torch.cat((q_start, pad_seqs + total)), torch.cat((lens, pad_seqs)), scale)
-    pairs = sum(ql * (kv - ql) + ql * (ql + 1) // 2 for ql, kv in seqs)
-    case["flops"] = 4 * d * hq * pairs
-    case["nbytes"] = (2 * total * hq * d + 2 * sum(kv_lens) * hk * d) * ELEM
+    case["flops"], case["nbytes"] = attention_cost(cfg, seqs)
     case["total"] = total
     return case
 
@@ -394,14 +403,8 @@ def bench_unified(copy_bw, sweep, budget_s):
 def bench_rope_store(model, cfg, copy_bw):
     hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
     for tokens, phase in ELEMENTWISE_TOKENS:
-        qkv = torch.randn(tokens, (hq + 2 * hk) * d, dtype=DTYPE, device=DEVICE)
-        q, k, v = (x.view(tokens, -1, d) for x in qkv.split([hq * d, hk * d, hk * d], dim=-1))
-        angles = torch.outer(torch.arange(8192, device=DEVICE).float(), torch.rand(d // 2, device=DEVICE))
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
-        positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
-        k_cache = torch.empty(1 << 17, hk, d, dtype=DTYPE, device=DEVICE)
-        v_cache = torch.empty_like(k_cache)
-        slots = torch.randperm(k_cache.shape[0], device=DEVICE)[:tokens]
+        args = rope_store_inputs(cfg, tokens)
+        q, k, v, positions, cache, k_cache, v_cache, slots = args
 
         def unfused():
             apply_rotary_triton(q, k, positions, cache)
@@ -410,11 +413,22 @@ def bench_rope_store(model, cfg, copy_bw):
         # q read + written, k and v read, k and v written to the cache, cos/sin read
         nbytes = (2 * hq + 4 * hk) * tokens * d * ELEM + tokens * d * 4
         measure("rope_store_kv", model, f"{phase} T={tokens}", nbytes, {
-            "fused": lambda: rope_store_kv_triton(q, k, v, positions, cache, k_cache, v_cache, slots),
+            "fused": lambda: rope_store_kv_triton(*args),
             "unfused": unfused}, copy_bw)
 
 
 # ---------------------------------------------------------------- table
+
+
+def fastest_variants(records, kinds) -> dict:
+    """(kind, model, shape) -> the fastest swept block-size variant timed for it, for the given kinds."""
+    best = {}
+    for r in records:
+        if r.get("kind") in kinds and "variant" in r and "ms" in r:
+            key = (r["kind"], r["model"], r["shape"])
+            if key not in best or r["ms"] < best[key]["ms"]:
+                best[key] = r
+    return best
 
 
 def print_table():
@@ -439,12 +453,7 @@ def print_table():
         speedup = f"{impls['torch']['ms'] / t['ms']:.1f}" if "torch" in impls else "-"
         print(f"{kind:<18} {model:<13} {shape:<30} {us('triton'):>10} {us('torch'):>10} {us('sdpa'):>9} "
               f"{speedup:>8} {t['bw_frac']:>8.2f} {t.get('tflops', '-'):>8}")
-    best = {}
-    for r in RECORDS:
-        if "variant" in r and "ms" in r and r["kind"] in ("decode_attention", "prefill_attention"):
-            key = (r["kind"], r["model"], r["shape"])
-            if key not in best or r["ms"] < best[key]["ms"]:
-                best[key] = r
+    best = fastest_variants(RECORDS, ("decode_attention", "prefill_attention"))  # unified's: the issue #11 table
     if best:
         print("\nfastest swept variant per shape:")
         for (kind, model, shape), r in best.items():
@@ -455,16 +464,11 @@ def print_table():
 
 def print_issue11_table():
     """unified attention against the split launches; fused rope + store against the two ops."""
-    rows, best = {}, {}
+    kinds = ("unified_attention", "rope_store_kv")
+    rows, best = {}, fastest_variants(RECORDS, kinds)
     for r in RECORDS:
-        if r.get("kind") not in ("unified_attention", "rope_store_kv") or "ms" not in r:
-            continue
-        key = (r["kind"], r["model"], r["shape"])
-        if "variant" in r:
-            if key not in best or r["ms"] < best[key]["ms"]:
-                best[key] = r
-        else:
-            rows.setdefault(key, {})[r["impl"]] = r
+        if r.get("kind") in kinds and "ms" in r and "variant" not in r:
+            rows.setdefault((r["kind"], r["model"], r["shape"]), {})[r["impl"]] = r
     if not rows:
         return
     print(f"\n{'op':<18} {'model':<13} {'shape':<28} {'new us':>8} {'old us':>8} {'old/new':>8} "

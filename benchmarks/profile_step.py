@@ -35,6 +35,8 @@ def main(argv=None):
     llm = LLM(str(model_dir), dtype="bfloat16")
     params = SamplingParams(temperature=0.6, ignore_eos=True)
     llm.generate_list(requests[:2], params)
+    if args.kernels:
+        return profile_kernels(llm, requests, params, args.top)
     steps = 0
     step = llm.engine.step
 
@@ -44,8 +46,6 @@ def main(argv=None):
         return step()
 
     llm.engine.step = counted
-    if args.kernels:
-        return profile_kernels(llm, requests, params, args.top)
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
@@ -78,13 +78,7 @@ def profile_kernels(llm, requests, params, top: int) -> None:
 
     llm.engine.step = window
     llm.generate_list(requests, params)
-    averages = prof.key_averages()
-    for key in ("self_device_time_total", "self_cuda_time_total"):  # the name changed in torch 2.4
-        try:
-            print(averages.table(sort_by=key, row_limit=top, max_name_column_width=70))
-            return
-        except (KeyError, AttributeError, ValueError):
-            continue
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70))
 
 
 if __name__ == "__main__":

@@ -55,3 +55,10 @@ def make_batch(
         q_lens=dev(torch.tensor(q_lens)),
         kv_lens=dev(torch.tensor(kv_lens)),
     )
+
+
+def q_bounds(batch: Batch) -> torch.Tensor:
+    """[B + 1] int32 cumulative query counts (each sequence's start, then the end), as the unified
+    launch takes them."""
+    zero = torch.zeros(1, dtype=torch.int32, device=batch.q_lens.device)
+    return torch.cat((zero, batch.q_lens.cumsum(0).int()))

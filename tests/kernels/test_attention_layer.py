@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.kernels.attention_batch import make_batch
+from tests.kernels.attention_batch import make_batch, q_bounds
 from batchgen.forward.batch import ForwardBatch
 from batchgen.layers.attention import Attention
 
@@ -48,7 +48,7 @@ def _unified_batch(split, b, pad_seqs, pad_tokens, dummy_slot):
     dev, i32 = b.q.device, torch.int32
     zeros = torch.zeros(pad_seqs, dtype=i32, device=dev)
     pad = torch.zeros(pad_tokens, dtype=torch.int64, device=dev)
-    q_start = torch.cat((torch.zeros(1, dtype=i32, device=dev), b.q_lens.cumsum(0).to(i32)))
+    q_start = q_bounds(b)
     return replace(
         split,
         positions=torch.cat((split.positions, pad)),

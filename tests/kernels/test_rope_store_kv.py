@@ -4,6 +4,7 @@ import torch
 from batchgen.kernels.rope_store_kv import rope_store_kv, rope_store_kv_ref, rope_store_kv_triton
 from batchgen.kernels.rotary import apply_rotary_triton
 from batchgen.kernels.store_kv import store_kv_triton
+from batchgen.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (tokens, q heads, kv heads, head_dim, slots): one token, primes, head_dim/2 not a power of 2 (20,
@@ -15,9 +16,8 @@ SHAPES = [(1, 1, 1, 8, 3), (7, 4, 2, 20, 50), (13, 6, 3, 64, 13), (5, 3, 3, 16, 
 
 
 def _cos_sin_cache(max_pos, head_dim, device):
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)  # [P, D]
+    """The model's [P, D] table (theta 10000, no scaling)."""
+    return RotaryEmbedding(head_dim, max_pos, 10000.0, {}).cos_sin_cache.to(device)
 
 
 def _inputs(tokens, q_heads, kv_heads, head_dim, num_slots, dtype, device, seed=0, fused=True):

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from batchgen.kernels.rotary import apply_rotary_cpu, apply_rotary_ref, apply_rotary_triton
+from batchgen.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (tokens, q heads, kv heads, head_dim): head_dim/2 not a power of 2 for 20 and 80.
@@ -12,9 +13,8 @@ SHAPES = [(1, 1, 1, 8), (7, 4, 2, 20), (13, 6, 3, 64)] + [
 
 
 def _cos_sin_cache(max_pos, head_dim, device):
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)  # [P, D]
+    """The model's [P, D] table (theta 10000, no scaling)."""
+    return RotaryEmbedding(head_dim, max_pos, 10000.0, {}).cos_sin_cache.to(device)
 
 
 def _fused_views(qkv, q_heads, kv_heads, head_dim):

@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from tests.kernels.attention_batch import make_batch
+from tests.kernels.attention_batch import make_batch, q_bounds
 from batchgen.kernels.unified_attention import (
     _unified_attention_launch,
     unified_attention_ref,
@@ -40,14 +40,8 @@ def _gpu_batches():
     }
 
 
-def _q_start(batch):
-    """[B + 1] cumulative query counts from the batch's per-sequence ones."""
-    zero = torch.zeros(1, dtype=torch.int32, device=batch.q_lens.device)
-    return torch.cat((zero, batch.q_lens.cumsum(0).int()))
-
-
 def _args(batch, scale):
-    return (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_rows, _q_start(batch),
+    return (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_rows, q_bounds(batch),
             batch.kv_lens, scale)
 
 
@@ -139,7 +133,7 @@ def test_unified_attention_in_cuda_graph(device, assert_close, q_heads, kv_heads
         for name in ("k_cache", "v_cache", "req_to_token", "req_rows", "kv_lens"):
             getattr(static, name).copy_(getattr(new, name))
         static.q.copy_(new.q)
-        q_start.copy_(_q_start(new))
+        q_start.copy_(q_bounds(new))
         graph.replay()
         _check(out, unified_attention_ref(*args), args, assert_close)
         used = int(q_start[-1])
