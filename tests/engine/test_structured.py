@@ -275,3 +275,18 @@ def test_the_compile_cache_keeps_the_most_recently_used_specs(llm, monkeypatch):
     cache.compile(c)
     assert cache.compile(a) is first and set(cache._compiled) == {a.key, c.key}
     assert first.result() is not None
+
+
+def test_a_rows_text_response_format_opts_out_of_the_jobs_constraint_through_the_row_checks(llm):
+    """`batchgen run`'s path: the file's rows go through the row checks (io/rows.py), then to the
+    engine. A row's {"type": "text"} survives them and turns the job's constraint off for that row."""
+    from batchgen.io.rows import InputRow, RowChecker
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, structured_outputs={"regex": "[0-9]{3}"})
+    checker = RowChecker()
+    rows = [{"id": "free", "prompt": "hello", "response_format": {"type": "text"}}, {"id": "job", "prompt": "hello"}]
+    requests = [checker.check(InputRow(i, row))[0] for i, row in enumerate(rows)]
+    by_id = {r["id"]: r for r in llm.generate(requests, params)}
+    plain, = llm.generate([{"id": "plain", "prompt": "hello"}], params.replace(structured_outputs=None))
+    assert by_id["free"]["output_token_ids"] == plain["output_token_ids"] and plain["completion_tokens"] == 6
+    assert re.fullmatch("[0-9]{3}", by_id["job"]["text"]) and by_id["job"]["finish_reason"] == "stop"
