@@ -75,9 +75,11 @@ class RequestPreparer:
             return RequestError(f"a request must be an object, got {type(row).__name__}")
         try:
             (options, own), prompt = check_options_and_constraint(row), check_prompt(row)
-            params = self.defaults.replace(**{k: v for k, v in options.items() if k in SAMPLING_FIELDS})
-            if params.seed is None and not params.greedy:
-                params = params.replace(seed=derive_seed(self.job_seed, row.get("id")))
+            changes = {k: v for k, v in options.items() if k in SAMPLING_FIELDS}
+            defaults = self.defaults
+            if changes.get("seed", defaults.seed) is None and changes.get("temperature", defaults.temperature) != 0.0:
+                changes["seed"] = derive_seed(self.job_seed, row.get("id"))  # sampled: a seed of its own
+            params = defaults.replace(**changes)
             # the row's own constraint (its {"type": "text"} too: None) wins over the job's
             structured = own if any(f in options for f in STRUCTURED_FIELDS) else params.structured
             (field, value), = prompt.items()

@@ -290,3 +290,15 @@ def test_a_rows_text_response_format_opts_out_of_the_jobs_constraint_through_the
     plain, = llm.generate([{"id": "plain", "prompt": "hello"}], params.replace(structured_outputs=None))
     assert by_id["free"]["output_token_ids"] == plain["output_token_ids"] and plain["completion_tokens"] == 6
     assert re.fullmatch("[0-9]{3}", by_id["job"]["text"]) and by_id["job"]["finish_reason"] == "stop"
+
+
+def test_replace_carries_the_checked_constraint_over_and_checks_the_rest():
+    params = SamplingParams(structured_outputs={"regex": "[0-9]+"})
+    other = params.replace(seed=3, top_k=0, stop=("x",))
+    assert other.structured is params.structured and params.seed is None
+    assert (other.seed, other.top_k, other.stop) == (3, -1, ["x"])
+    assert params.replace(structured_outputs=None).structured is None
+    with pytest.raises(ValueError, match="top_p must be in"):
+        params.replace(top_p=0.0)
+    with pytest.raises(TypeError):
+        params.replace(no_such_field=1)
