@@ -174,9 +174,7 @@ class StructuredDecoding:
         for i, seq in enumerate(samplers):
             if seq.structured is None or seq.status is Status.FINISHED:
                 continue
-            if seq.matcher is None:
-                if seq.grammar is None:  # made without attach() (another path that builds sequences)
-                    seq.grammar = self.compile(seq.structured)
+            if seq.matcher is None:  # (its grammar: a future, from attach())
                 try:
                     seq.matcher = self._new_matcher(seq.grammar.result())
                 except GrammarError as e:

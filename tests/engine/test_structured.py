@@ -208,6 +208,13 @@ def test_the_jobs_constraint_applies_to_rows_without_their_own(llm):
         SamplingParams(structured_outputs={"choice": []})
 
 
+def attached(decoding, spec: StructuredSpec) -> SimpleNamespace:
+    """A running constrained sequence as fill() sees it, attached as the engine attaches each one."""
+    seq = SimpleNamespace(structured=spec, status=Status.RUNNING, matcher=None, grammar=None, error=None)
+    decoding.attach(seq)
+    return seq
+
+
 def test_the_grammar_covers_the_tokenizers_ids_not_the_lm_heads_padding(llm):
     """A 1,000-row LM head over a tokenizer of ~380 ids: xgrammar is told about the tokenizer's ids
     only (it scans the ids past them on every accepted token), and no padded id is ever allowed,
@@ -217,8 +224,7 @@ def test_the_grammar_covers_the_tokenizers_ids_not_the_lm_heads_padding(llm):
 
     decoding = StructuredDecoding(llm.tokenizer, 1000, [1], max_num_seqs=2, pin_memory=False)
     spec = check_structured({"structured_outputs": {"regex": "(.|\\n)*"}})  # any text: every real token
-    seq = SimpleNamespace(structured=spec, status=Status.RUNNING, matcher=None, grammar=None, error=None)
-    rows, bitmask, ended = decoding.fill([seq])
+    rows, bitmask, ended = decoding.fill([attached(decoding, spec)])
     ids = len(llm.tokenizer)
     assert ids % 32 and decoding.mask_vocab == ids  # (a partly used last word)
     assert rows == [0] and ended == [] and bitmask.shape == (1, (ids + 31) // 32)
@@ -239,8 +245,7 @@ def test_bitmasks_filled_on_threads_equal_those_filled_on_one(llm, monkeypatch):
     monkeypatch.setattr(structured, "EXPLORE_STEPS", 3)
     decoding = structured.StructuredDecoding(llm.tokenizer, 384, [EOS], max_num_seqs=8, pin_memory=False)
     spec = check_structured({"structured_outputs": {"regex": "[a-f]{3}(x|yz)[0-9]+"}})
-    seqs = [SimpleNamespace(structured=spec, status=Status.RUNNING, matcher=None, grammar=None, error=None)
-            for _ in range(8)]
+    seqs = [attached(decoding, spec) for _ in range(8)]
     decoding.fill(seqs)  # the matchers, each then in another state
     for seq, prefix in zip(seqs, ["", "a", "ab", "abc", "abcy", "abcyz", "abcx1", "f"]):
         assert seq.matcher.accept_string(prefix) if prefix else True
