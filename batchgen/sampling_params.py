@@ -112,15 +112,19 @@ def resolve_defaults(given: dict, model: dict) -> tuple[SamplingParams, dict[str
     return params, sources
 
 
+def _hash_seed(text: str) -> int:
+    """A seed in [0, 2^63) from a text: the same on every machine and run."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def derive_seed(job_seed: int, request_id) -> int:
     """A request's seed from the job seed and its id: stable across runs, shards and resumes."""
-    digest = hashlib.blake2b(f"{job_seed}\x00{request_id!r}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return _hash_seed(f"{job_seed}\x00{request_id!r}")
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
     """The seed of sample `index` of a request with `seed`: sample 0 keeps it (n=1 is unchanged)."""
     if seed is None or index == 0:
         return seed
-    digest = hashlib.blake2b(f"{seed}\x00sample\x00{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return _hash_seed(f"{seed}\x00sample\x00{index}")
