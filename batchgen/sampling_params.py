@@ -7,6 +7,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.models.generation_config import FIELDS
 from batchgen.schema import StructuredSpec, check_structured
 
 
@@ -84,7 +85,7 @@ class SamplingParams:
 _CARRY_CONSTRAINT = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"response_format", "structured_outputs"}
 
 
-MODEL_DEFAULT_FIELDS = ("max_tokens", "temperature", "top_p", "top_k")  # what a generation_config.json may set
+MODEL_DEFAULT_FIELDS = tuple(name for name, _ in FIELDS.values())  # what a generation_config.json may set
 OPTION, MODEL, BUILT_IN = "option", "generation_config", "built-in"  # where a job default came from
 
 
