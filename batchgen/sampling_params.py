@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.models.generation_config import FIELDS
-from batchgen.schema import StructuredSpec, check_structured
+from batchgen.schema import STRUCTURED_FIELDS, StructuredSpec, check_structured
 
 
 MAX_N = 1024  # samples of one prompt: each is a sequence of its own, built when the row is read
@@ -82,7 +82,7 @@ class SamplingParams:
 
 
 # the fields replace() may change without checking the constraint again
-_CARRY_CONSTRAINT = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"response_format", "structured_outputs"}
+_CARRY_CONSTRAINT = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - set(STRUCTURED_FIELDS)
 
 
 MODEL_DEFAULT_FIELDS = tuple(name for name, _ in FIELDS.values())  # what a generation_config.json may set
