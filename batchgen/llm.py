@@ -114,11 +114,12 @@ class LLM:
                 # when they were tokenized here. Else take the ones ready; the rest join a later step.
                 fresh = []
                 for row, prepared in ahead.take(wait_all=not engine.has_work()):
+                    if isinstance(prepared, RequestError):  # a bad row
+                        yield error_row(row, str(prepared))
+                        continue
                     try:
-                        if isinstance(prepared, RequestError):
-                            raise prepared
                         fresh.extend(engine.sequences(prepared, row.get(SAMPLES_KEY)))
-                    except RequestError as e:  # a bad row, or a constraint that cannot compile
+                    except RequestError as e:  # a constraint that cannot compile
                         yield error_row(row, str(e))
                 for seq in pack(fresh):
                     engine.add(seq)

@@ -9,6 +9,8 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from batchgen.sampling_params import BUILT_IN, MODEL, OPTION
+
 
 def _duration(seconds: float | None) -> str:
     if seconds is None:
@@ -160,8 +162,7 @@ def summary_lines(meta: dict, output: str) -> list[str]:
 
 
 # where a job's sampling default came from (sampling_params.resolve_defaults' names) -> how the summary says it
-_SOURCES = {"option": "from options", "generation_config": "from the model's generation_config.json",
-            "built-in": "built in"}
+_SOURCES = {OPTION: "from options", MODEL: "from the model's generation_config.json", BUILT_IN: "built in"}
 
 
 def sampling_defaults_line(defaults: dict, sources: dict) -> str:
@@ -169,7 +170,7 @@ def sampling_defaults_line(defaults: dict, sources: dict) -> str:
     max_tokens 256, top_k -1 built in (a row's own fields override them)`."""
     groups = []
     for source, words in _SOURCES.items():
-        names = [n for n in defaults if sources.get(n, "built-in") == source]
+        names = [n for n in defaults if sources.get(n, BUILT_IN) == source]
         if names:
             groups.append(", ".join(f"{n} {_value(defaults[n])}" for n in names) + f" {words}")
     return f"sampling defaults: {'; '.join(groups)} (a row's own fields override them)"

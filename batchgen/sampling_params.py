@@ -7,7 +7,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgen.schema import StructuredSpec, check_structured
+from batchgen.models.generation_config import FIELDS
+from batchgen.schema import STRUCTURED_FIELDS, StructuredSpec, check_structured
 
 
 MAX_N = 1024  # samples of one prompt: each is a sequence of its own, built when the row is read
@@ -36,6 +37,9 @@ class SamplingParams:
         self.structured: StructuredSpec | None = check_structured(
             {"response_format": self.response_format, "structured_outputs": self.structured_outputs}
         )  # a FieldError (a ValueError) names the field
+        self._normalize()
+
+    def _normalize(self) -> None:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
@@ -66,10 +70,22 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def replace(self, **changes) -> "SamplingParams":
-        return dataclasses.replace(self, **changes)
+        if not changes.keys() <= _CARRY_CONSTRAINT:  # a constraint (or an unknown name, TypeError)
+            return dataclasses.replace(self, **changes)
+        # The same constraint: carry its checked spec over. Parsing it again costs ~20 us with a
+        # job-wide schema, and a job replaces its defaults for every row and every extra sample.
+        params = object.__new__(type(self))
+        params.__dict__.update(self.__dict__)
+        params.__dict__.update(changes)
+        params._normalize()
+        return params
 
 
-MODEL_DEFAULT_FIELDS = ("max_tokens", "temperature", "top_p", "top_k")  # what a generation_config.json may set
+# the fields replace() may change without checking the constraint again
+_CARRY_CONSTRAINT = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - set(STRUCTURED_FIELDS)
+
+
+MODEL_DEFAULT_FIELDS = tuple(name for name, _ in FIELDS.values())  # what a generation_config.json may set
 OPTION, MODEL, BUILT_IN = "option", "generation_config", "built-in"  # where a job default came from
 
 
@@ -97,15 +113,19 @@ def resolve_defaults(given: dict, model: dict) -> tuple[SamplingParams, dict[str
     return params, sources
 
 
+def _hash_seed(text: str) -> int:
+    """A seed in [0, 2^63) from a text: the same on every machine and run."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def derive_seed(job_seed: int, request_id) -> int:
     """A request's seed from the job seed and its id: stable across runs, shards and resumes."""
-    digest = hashlib.blake2b(f"{job_seed}\x00{request_id!r}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return _hash_seed(f"{job_seed}\x00{request_id!r}")
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
     """The seed of sample `index` of a request with `seed`: sample 0 keeps it (n=1 is unchanged)."""
     if seed is None or index == 0:
         return seed
-    digest = hashlib.blake2b(f"{seed}\x00sample\x00{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return _hash_seed(f"{seed}\x00sample\x00{index}")

@@ -107,6 +107,13 @@ def check_prompt(row: dict) -> dict:
 def check_options(row: dict) -> dict:
     """The row's non-null sampling fields, output options and constraint, type-checked (value
     ranges are SamplingParams' to check) -> {field: value}, itself a row that passes again."""
+    return check_options_and_constraint(row)[0]
+
+
+def check_options_and_constraint(row: dict) -> tuple[dict, StructuredSpec | None]:
+    """check_options(row), and the spec of the row's own constraint (None: unconstrained), parsed once.
+    A constraint field given stays in the fields even when it is {"type": "text"}: that row opts out of
+    the job's constraint, which only applies to rows that give neither field."""
     fields: dict[str, Any] = {}
     for name in INT_FIELDS:
         if row.get(name) is not None:
@@ -135,10 +142,11 @@ def check_options(row: dict) -> dict:
         if not 0 <= k <= MAX_TOP_LOGPROBS:
             raise FieldError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
         fields["top_logprobs"] = k
-    if check_structured(row) is not None:  # (the spec itself is check_structured's, for the engine)
-        field = next(f for f in STRUCTURED_FIELDS if row.get(f) is not None)
+    spec = check_structured(row)
+    field = next((f for f in STRUCTURED_FIELDS if row.get(f) is not None), None)
+    if field is not None:
         fields[field] = row[field]
-    return fields
+    return fields, spec
 
 
 class StructuredSpec(NamedTuple):

@@ -7,13 +7,13 @@ import json
 import shutil
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from batchgen import LLM, SamplingParams
 from batchgen.models import default_model
 from batchgen.models.generation_config import GENERATION_CONFIG, read_sampling_defaults
 from batchgen.sampling_params import resolve_defaults
+from tests.test_cli_run import read as read_output, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,14 +26,10 @@ def model_with(tiny_model, path: Path, **fields) -> Path:
     return model
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def read(path: Path) -> tuple[dict, dict]:
-    table = pq.read_table(path)
-    return {r["id"]: r for r in table.to_pylist()}, json.loads(table.schema.metadata[b"batchgen"])
+    """-> ({id: output row}, the output's batchgen metadata)"""
+    rows, meta = read_output(path)
+    return {r["id"]: r for r in rows}, meta
 
 
 def test_the_fields_batchgen_has_are_read_under_its_names(tmp_path):

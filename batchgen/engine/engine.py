@@ -21,7 +21,7 @@ from batchgen.engine.tp_workers import TPWorkers, tp_device
 from batchgen.models.model_config import load_model_config
 from batchgen.models.resolve import resolve_model_dir
 from batchgen.sampling_params import SamplingParams
-from batchgen.schema import KNOWN_FIELDS, SAMPLES_KEY, error_result
+from batchgen.schema import KNOWN_FIELDS, error_result
 
 log = logging.getLogger("batchgen")
 
@@ -82,9 +82,6 @@ class LLMEngine:
         return RequestPreparer(defaults, self.config.seed, self.tokenizer, self.model_cfg.vocab_size,
                                self.max_request_len)
 
-    def sequence(self, prepared: PreparedRequest) -> Sequence:
-        return build_sequence(prepared, self.eos_ids)
-
     def prepare(self, row: dict, defaults: SamplingParams) -> PreparedRequest:
         """One row on the engine's thread; raises RequestError with a one-line reason."""
         prepared, = self.request_preparer(defaults)([row])
@@ -93,25 +90,22 @@ class LLMEngine:
         return prepared
 
     def make_sequence(self, row: dict, defaults: SamplingParams) -> Sequence:
-        """Validate a request row; raises RequestError with a one-line reason."""
-        return self.sequence(self.prepare(row, defaults))
+        """Validate a request row -> its sequence (sample 0); raises RequestError with a one-line reason."""
+        seq, = self.sequences(self.prepare(row, defaults), [0])
+        return seq
 
     def sequences(self, prepared: PreparedRequest, indices: list[int] | None = None) -> list[Sequence]:
         """A prepared request -> the sequences of its n samples (those of `indices`, default all).
         A constrained request's grammar starts compiling on a worker thread (once per distinct
         spec); RequestError when it cannot."""
-        seqs = make_samples(self.sequence(prepared), indices)
-        for seq in seqs:
+        seqs = make_samples(build_sequence(prepared, self.eos_ids), indices)
+        for seq in seqs:  # every constrained sequence is attached here: fill() expects its grammar
             if seq.structured is not None:
                 try:
                     self.structured.attach(seq)
                 except GrammarError as e:
                     raise RequestError(str(e)) from None
         return seqs
-
-    def make_sequences(self, row: dict, defaults: SamplingParams) -> list[Sequence]:
-        """Validate a request row -> the sequences of its n samples (RequestError as make_sequence)."""
-        return self.sequences(self.prepare(row, defaults), row.get(SAMPLES_KEY))
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

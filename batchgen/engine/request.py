@@ -13,8 +13,8 @@ from jinja2 import TemplateError
 
 from batchgen.sampling_params import SamplingParams, derive_seed, sample_seed
 from batchgen.schema import (
-    KNOWN_FIELDS, LOGPROB_OPTIONS, OUTPUT_OPTIONS, SAMPLING_FIELDS, STRUCTURED_FIELDS, FieldError, check_options,
-    check_prompt, check_structured,
+    KNOWN_FIELDS, LOGPROB_OPTIONS, OUTPUT_OPTIONS, SAMPLING_FIELDS, STRUCTURED_FIELDS, FieldError,
+    check_options_and_constraint, check_prompt,
 )
 
 
@@ -74,12 +74,14 @@ class RequestPreparer:
         if not isinstance(row, dict):
             return RequestError(f"a request must be an object, got {type(row).__name__}")
         try:
-            options, prompt = check_options(row), check_prompt(row)
-            params = self.defaults.replace(**{k: v for k, v in options.items() if k in SAMPLING_FIELDS})
-            if params.seed is None and not params.greedy:
-                params = params.replace(seed=derive_seed(self.job_seed, row.get("id")))
-            own = any(row.get(f) is not None for f in STRUCTURED_FIELDS)
-            structured = check_structured(row) if own else params.structured
+            (options, own), prompt = check_options_and_constraint(row), check_prompt(row)
+            changes = {k: v for k, v in options.items() if k in SAMPLING_FIELDS}
+            defaults = self.defaults
+            if changes.get("seed", defaults.seed) is None and changes.get("temperature", defaults.temperature) != 0.0:
+                changes["seed"] = derive_seed(self.job_seed, row.get("id"))  # sampled: a seed of its own
+            params = defaults.replace(**changes)
+            # the row's own constraint (its {"type": "text"} too: None) wins over the job's
+            structured = own if any(f in options for f in STRUCTURED_FIELDS) else params.structured
             (field, value), = prompt.items()
             if field == "prompt":
                 return _Checked(options, params, structured, field, value, None)

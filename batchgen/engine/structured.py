@@ -90,6 +90,7 @@ class StructuredDecoding:
         self._row_seconds = [0.0, 0.0]  # per filler: its recent fill time per row (0: not yet measured)
         self._fill_steps = 0
         self._stop_words: np.ndarray | None = None  # [W] uint32: every bit except the stop tokens'
+        self._last_word = np.uint32(0xFFFFFFFF)  # the last word's bits of ids in the grammar's vocabulary
         # host time spent filling bitmasks (per constrained step) and accepting tokens, for benchmarks
         self.mask_seconds = self.accept_seconds = 0.0
         self.mask_steps = 0
@@ -158,6 +159,8 @@ class StructuredDecoding:
             for t in self.stop_ids:
                 stop[t // 32] &= ~np.uint32(1 << (t % 32))
             self._stop_words = stop
+            if self.mask_vocab % 32:
+                self._last_word = np.uint32((1 << (self.mask_vocab % 32)) - 1)
         return xgr.GrammarMatcher(compiled)
 
     def fill(self, samplers: list[Sequence]) -> tuple[list[int], torch.Tensor | None, list[Sequence]]:
@@ -171,9 +174,7 @@ class StructuredDecoding:
         for i, seq in enumerate(samplers):
             if seq.structured is None or seq.status is Status.FINISHED:
                 continue
-            if seq.matcher is None:
-                if seq.grammar is None:  # made without attach() (another path that builds sequences)
-                    seq.grammar = self.compile(seq.structured)
+            if seq.matcher is None:  # (its grammar: a future, from attach())
                 try:
                     seq.matcher = self._new_matcher(seq.grammar.result())
                 except GrammarError as e:
@@ -186,10 +187,10 @@ class StructuredDecoding:
             return [], None, ended
         bitmask = self._bitmask[: len(matchers)]
         self._fill_bitmasks(matchers, bitmask)
-        if self.mask_vocab % 32:  # xgrammar leaves the last word's bits past its vocabulary set
-            bitmask[:, -1] &= (1 << (self.mask_vocab % 32)) - 1
+        words = bitmask.numpy().view(np.uint32)  # (the same memory)
+        words[:, -1] &= self._last_word  # xgrammar leaves the last word's bits past its vocabulary set
         # one pass over [C, W] instead of a call per row: rows that allow no token but a stop token
-        only_stop = ~(bitmask.numpy().view(np.uint32) & self._stop_words).any(axis=1)
+        only_stop = ~(words & self._stop_words).any(axis=1)
         for c in np.flatnonzero(only_stop).tolist():
             if matchers[c].is_completed():  # complete, and only a stop token may follow: done now
                 ended.append(samplers[indices[c]])

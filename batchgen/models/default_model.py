@@ -12,6 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from batchgen.models.generation_config import GENERATION_CONFIG
+
 log = logging.getLogger("batchgen")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -77,7 +79,7 @@ def ensure_default_model() -> Path:
 def _add_sampling_defaults(model_dir: Path) -> None:
     """Put SAMPLING_DEFAULTS into model_dir's generation_config.json (keeping its other fields) unless
     it already has one of them: a user's edit of the cached file wins."""
-    path = model_dir / "generation_config.json"
+    path = model_dir / GENERATION_CONFIG
     try:
         config = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     except ValueError:

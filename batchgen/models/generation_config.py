@@ -12,12 +12,13 @@ from pathlib import Path
 from batchgen.schema import FieldError, as_float, as_int
 
 GENERATION_CONFIG = "generation_config.json"
-# generation_config.json's name -> batchgen's (SamplingParams') name, and how to read its value
+# generation_config.json's name -> batchgen's (SamplingParams') name, and how to read its value; in
+# the order a job's summary and metadata list these defaults
 FIELDS = {
+    "max_new_tokens": ("max_tokens", as_int),
     "temperature": ("temperature", as_float),
     "top_p": ("top_p", as_float),
     "top_k": ("top_k", as_int),
-    "max_new_tokens": ("max_tokens", as_int),
 }
 
 

