@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from batchgen.config import EngineConfig
 from batchgen.forward.parallel import SINGLE
 from batchgen.engine.request import (
-    PreparedRequest, RequestError, RequestPreparer, Sequence, Status, build_sequence, make_samples,
+    PreparedRequest, RequestError, RequestPreparer, Sequence, Status, make_samples,
 )
 from batchgen.engine.runner import ModelRunner, StepOutput
 from batchgen.engine.scheduler import Scheduler
@@ -98,7 +98,7 @@ class LLMEngine:
         """A prepared request -> the sequences of its n samples (those of `indices`, default all).
         A constrained request's grammar starts compiling on a worker thread (once per distinct
         spec); RequestError when it cannot."""
-        seqs = make_samples(build_sequence(prepared, self.eos_ids), indices)
+        seqs = make_samples(prepared, self.eos_ids, indices)
         for seq in seqs:  # every constrained sequence is attached here: fill() expects its grammar
             if seq.structured is not None:
                 try:

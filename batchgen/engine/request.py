@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from array import array
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -13,7 +14,7 @@ from jinja2 import TemplateError
 
 from batchgen.sampling_params import SamplingParams, derive_seed, sample_seed
 from batchgen.schema import (
-    KNOWN_FIELDS, LOGPROB_OPTIONS, OUTPUT_OPTIONS, SAMPLING_FIELDS, STRUCTURED_FIELDS, FieldError,
+    KNOWN_FIELDS, LOGPROB_OPTIONS, SAMPLING_FIELDS, STRUCTURED_FIELDS, FieldError,
     check_options_and_constraint, check_prompt,
 )
 
@@ -220,23 +221,15 @@ def build_sequence(prepared: PreparedRequest, eos_ids: list[int]) -> Sequence:
     return seq
 
 
-def make_samples(seq: Sequence, indices: list[int] | None = None) -> list[Sequence]:
-    """The sequences of a request's n samples (seq: the request, as sample 0) -> those of `indices`
-    (default: all n). Each sample has its own seed, derived from the request's and its index
-    (sample 0 keeps the request's: n=1 is unchanged); the scheduler shares their prompt's KV
-    through the prefix cache."""
-    n = seq.params.n
+def make_samples(prepared: PreparedRequest, eos_ids: list[int], indices: list[int] | None = None) -> list[Sequence]:
+    """The sequences of a request's n samples -> those of `indices` (default: all n). Each sample
+    has its own seed, derived from the request's and its index (sample 0 keeps the request's: n=1
+    is unchanged); the scheduler shares their prompt's KV through the prefix cache."""
+    params = prepared.params
     samples = []
-    for i in range(n) if indices is None else sorted({i for i in indices if 0 <= i < n}):
-        sample = seq
-        if i > 0:
-            params = seq.params.replace(seed=sample_seed(seq.params.seed, i))
-            prompt = seq.token_ids[: seq.num_prompt]
-            sample = Sequence(seq.id, prompt, params, list(seq.stop_ids), seq.extras, seq.arrival)
-            for name in OUTPUT_OPTIONS:
-                if getattr(seq, name) is not None:
-                    setattr(sample, name, [])
-            sample.num_top_logprobs, sample.structured = seq.num_top_logprobs, seq.structured
+    for i in range(params.n) if indices is None else sorted({i for i in indices if 0 <= i < params.n}):
+        own = prepared if i == 0 else dataclasses.replace(prepared, params=params.replace(seed=sample_seed(params.seed, i)))
+        sample = build_sequence(own, eos_ids)
         sample.sample_index = i
         samples.append(sample)
     return samples
