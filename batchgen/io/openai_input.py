@@ -7,9 +7,7 @@ response, and Parquet output shows both as columns.
 
 Body fields either map onto a row field, are accepted only at their default value (`stream: false`,
 `frequency_penalty: 0`, ...), are ignored (`user`, `metadata`, `store`), or are refused: an unknown
-field makes the line an error row naming it, so no setting is ever dropped silently. Fields whose
-engine feature this build lacks (`n`, `top_logprobs`, `response_format`, `structured_outputs`: they
-need the row field of that name in batchgen.schema.KNOWN_FIELDS) are refused the same way.
+field makes the line an error row naming it, so no setting is ever dropped silently.
 """
 
 from __future__ import annotations
@@ -20,13 +18,12 @@ from typing import Any, Iterable
 
 from batchgen.io.rows import ROW_KEY, IdSet, InputRow, RowChecker
 from batchgen.io.sources import JSONL_SUFFIXES
-from batchgen.schema import FieldError, KNOWN_FIELDS, PROMPT_FIELDS, as_int, error_result, type_name
+from batchgen.schema import MAX_TOP_LOGPROBS, FieldError, PROMPT_FIELDS, as_int, error_result, type_name
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 URLS = (CHAT_URL, COMPLETIONS_URL)
 LINE_FIELDS = ("custom_id", "method", "url", "body")
-MAX_TOP_LOGPROBS = 20
 
 # Body fields copied to the row field of the same name (the native checks type-check them).
 PASSED_FIELDS = ("temperature", "top_p", "stop", "seed", "top_k", "min_tokens", "ignore_eos", "stop_token_ids")
@@ -152,11 +149,6 @@ def _completion_prompt(value: Any) -> dict:
     raise FieldError(f"body.prompt must be a string or a list of token ids, got {type_name(value)}")
 
 
-def _supported(field: str) -> None:
-    if field not in KNOWN_FIELDS:
-        raise FieldError(f"body.{field} is not supported by this batchgen build")
-
-
 class OpenAILineMapper:
     """One OpenAI batch line -> a batchgen row; FieldError with a one-line message otherwise.
 
@@ -217,8 +209,7 @@ class OpenAILineMapper:
             raise FieldError("body.best_of must equal n (batchgen returns every sample)")
         if n is not None and n < 1:
             raise FieldError(f"body.n must be >= 1, got {n}")
-        if n is not None and (n != 1 or "n" in KNOWN_FIELDS):  # absent: the job's --n (1 unless set, as OpenAI's)
-            _supported("n")
+        if n is not None:  # absent: the job's --n (1 unless set, as OpenAI's)
             row["n"] = n
 
         row.update(self._logprobs(url, body))
@@ -226,10 +217,8 @@ class OpenAILineMapper:
         if response_format is not None and response_format != {"type": "text"}:  # text: the default
             if not isinstance(response_format, dict):
                 raise FieldError(f"body.response_format must be an object, got {type_name(response_format)}")
-            _supported("response_format")
             row["response_format"] = response_format
         if body.get("structured_outputs") is not None:  # vLLM's: {"json" | "regex" | "choice" | "grammar": ...}
-            _supported("structured_outputs")
             row["structured_outputs"] = body["structured_outputs"]
         return row
 
@@ -265,7 +254,6 @@ class OpenAILineMapper:
             raise FieldError(f"body.{name} must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         fields: dict[str, Any] = {"logprobs": True} if asked else {}
         if top:
-            _supported("top_logprobs")
             fields["top_logprobs"] = top
         return fields
 
