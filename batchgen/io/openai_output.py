@@ -57,13 +57,6 @@ def _logprob(value: float | None) -> float:
     return max(float(value), MIN_LOGPROB)
 
 
-def _top_logprobs(sample: dict) -> list[list[dict]] | None:
-    """The row's top-k alternatives of each generated token, each a list of {token_id, token, logprob}
-    (stored as JSON text where a part had no Arrow type for them)."""
-    value = sample.get("top_logprobs")
-    return json.loads(value) if isinstance(value, str) else value
-
-
 class TokenNames:
     """Token id -> its text: the engine's own (an alternative's `token`), else the tokenizer's, else
     `token_id:ID` (vLLM's spelling when no text is known)."""
@@ -95,7 +88,8 @@ def _chat_logprobs(sample: dict, names: TokenNames) -> dict | None:
     values = sample.get("logprobs")
     if values is None:
         return None
-    tops = _top_logprobs(sample) or [None] * len(values)
+    # per generated token, its top-k alternatives as {token_id, token, logprob} (sinks.TOP_LOGPROB_TYPE)
+    tops = sample.get("top_logprobs") or [None] * len(values)
     content = []
     for token_id, value, top in zip(sample["output_token_ids"], values, tops):
         content.append({
@@ -109,7 +103,7 @@ def _completion_logprobs(sample: dict, names: TokenNames) -> dict | None:
     values = sample.get("logprobs")
     if values is None:
         return None
-    stored_tops = _top_logprobs(sample)
+    stored_tops = sample.get("top_logprobs")
     tops = stored_tops if stored_tops is not None else [None] * len(values)
     tokens = [names(t, top) for t, top in zip(sample["output_token_ids"], tops)]
     offsets, at = [], 0
