@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import nullcontext
 import math
 import os
 import time
@@ -280,12 +281,11 @@ def write_openai_output(
     created = int(time.time())
     token_names = TokenNames(token_text)
     tmp = workdir / "final.jsonl.tmp"
+    error_tmp = None  # no error file: failed lines go to OUTPUT
     if error_file is not None:  # beside it: a rename does not cross file systems
         error_file.parent.mkdir(parents=True, exist_ok=True)
         error_tmp = error_file.with_name(error_file.name + ".tmp")
-    else:
-        error_tmp = workdir / "errors.jsonl.tmp"
-    with _text_file(tmp) as out, _text_file(error_tmp) as errors:
+    with _text_file(tmp) as out, (_text_file(error_tmp) if error_tmp is not None else nullcontext()) as errors:
         pending: dict[int, list[dict]] = {}
         for number, (part, keep) in enumerate(zip(parts, keeps)):
             if should_stop():
@@ -297,17 +297,16 @@ def write_openai_output(
             for line_index in [i for i in pending if selection.last_part[i] == number]:
                 key = hashlib.blake2b(f"{salt}\x00{line_index}".encode(), digest_size=12).hexdigest()
                 line, failed = output_line(pending.pop(line_index), served_model, created, key, token_names)
-                target = errors if failed and error_file is not None else out
+                target = errors if failed and errors is not None else out
                 target.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
         assert not pending, "a line's last part was passed without writing it"
         for f in (out, errors):
-            f.flush()
-            os.fsync(f.fileno())
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
     if error_file is not None:
         os.replace(error_tmp, error_file)
         fsync_dir(error_file.parent)
-    else:
-        error_tmp.unlink()
     stat = tmp.stat()
     sidecar = {"batchgen": meta, "output": {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}}
     write_atomically(sidecar_path(output), lambda f: f.write(json.dumps(sidecar, indent=1).encode()))
