@@ -259,12 +259,9 @@ def _served_model(spec: JobSpec) -> str:
     return spec.served_models[0] if spec.served_models else str(spec.settings.get("model") or "batchgen")
 
 
-def _token_text(llm) -> Callable[[int], str] | None:
-    """A token's own text, for the `token` of OpenAI logprobs (special tokens spelled out)."""
+def _token_text(llm) -> openai_output.TokenText | None:
     tokenizer = getattr(llm, "tokenizer", None)
-    if tokenizer is None:
-        return None
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+    return None if tokenizer is None else openai_output.token_text_of(tokenizer)
 
 
 def _stored_metadata(output: Path) -> dict:

@@ -49,6 +49,11 @@ OPENAI_SUFFIXES = (".jsonl", ".ndjson")
 TokenText = Callable[[int], str]
 
 
+def token_text_of(tokenizer) -> TokenText:
+    """A token id -> its own text, for the `token` of OpenAI logprobs (special tokens spelled out)."""
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 # --- response objects ---------------------------------------------------------------------------
 
 
