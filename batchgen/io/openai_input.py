@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from batchgen.io.rows import ROW_KEY, IdSet, InputRow, RowChecker
-from batchgen.io.sources import JSONL_SUFFIXES
+from batchgen.io.sources import JSONL_SUFFIXES, JsonlSource
 from batchgen.schema import MAX_TOP_LOGPROBS, FieldError, PROMPT_FIELDS, as_int, error_result, type_name
 
 CHAT_URL = "/v1/chat/completions"
@@ -61,21 +61,14 @@ def looks_like_openai(data: Any) -> bool:
 
 
 def detect_jsonl_format(path: Path, max_lines: int = 100) -> str:
-    """"openai" or "batchgen", from the first non-blank line that is a JSON object (lines that are
-    not are skipped: they are error rows in either format); "batchgen" when none is found soon."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f):
-            if number >= max_lines:
-                break
-            raw = raw.removeprefix(b"\xef\xbb\xbf") if number == 0 else raw
-            if not raw.strip():
-                continue
-            try:
-                data = json.loads(raw)
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(data, dict):
-                return "openai" if looks_like_openai(data) else "batchgen"
+    """"openai" or "batchgen", from the first non-blank line of the first `max_lines` that is a JSON
+    object (lines that are not are skipped: they are error rows in either format); "batchgen" when
+    none is found there."""
+    for row in JsonlSource(path):  # row.index: the 0-based line number, blank lines counted
+        if row.index >= max_lines:
+            break
+        if isinstance(row.data, dict):
+            return "openai" if looks_like_openai(row.data) else "batchgen"
     return "batchgen"
 
 
