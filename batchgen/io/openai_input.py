@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from batchgen.io.rows import ROW_KEY, IdSet, InputRow, RowChecker
+from batchgen.io.rows import IdSet, InputRow, RowChecker, checked_request, error_row
 from batchgen.io.sources import JSONL_SUFFIXES, JsonlSource
-from batchgen.schema import MAX_TOP_LOGPROBS, FieldError, PROMPT_FIELDS, as_int, error_result, type_name
+from batchgen.schema import MAX_TOP_LOGPROBS, FieldError, PROMPT_FIELDS, as_int, type_name
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -260,29 +260,28 @@ class OpenAIRowChecker:
 
     def __init__(self, served_models: Iterable[str] | None) -> None:
         self.mapper = OpenAILineMapper(served_models)
-        self.seen = IdSet()
-        self.native = RowChecker()
+        self.seen = IdSet()  # custom_ids; the mapped row's id is its custom_id, so no second id check
 
     def check(self, row: InputRow) -> tuple[dict | None, dict | None]:
         where = f"line {row.index + 1}"
         if row.data is None:
-            return None, self._error(row.index, None, f"{row.error or 'unreadable line'} ({where})")
+            return None, error_row(row.index, None, f"{row.error or 'unreadable line'} ({where})")
         data = row.data
         if not isinstance(data, dict):
-            return None, self._error(row.index, None, f"not a JSON object, got {type_name(data)} ({where})")
+            return None, error_row(row.index, None, f"not a JSON object, got {type_name(data)} ({where})")
         custom_id = data.get("custom_id")
         if custom_id is None:
-            return None, self._error(row.index, None, f"custom_id is missing ({where})")
+            return None, error_row(row.index, None, f"custom_id is missing ({where})")
         if not isinstance(custom_id, str) or not custom_id:
             problem = "is empty" if custom_id == "" else f"must be a string, got {type_name(custom_id)}"
-            return None, self._error(row.index, None, f"custom_id {problem} ({where})")
+            return None, error_row(row.index, None, f"custom_id {problem} ({where})")
         if not self.seen.add(custom_id):
-            return None, self._error(row.index, None, f"custom_id {custom_id!r} already seen in this input ({where})")
+            return None, error_row(row.index, None, f"custom_id {custom_id!r} already seen in this input ({where})")
         try:
             mapped = self.mapper.line(data)
         except FieldError as e:
-            return None, self._error(row.index, custom_id, str(e), self._recorded(data))
-        return self.native.check(InputRow(row.index, mapped))
+            return None, error_row(row.index, custom_id, str(e), self._recorded(data))
+        return checked_request(row.index, custom_id, mapped)
 
     @staticmethod
     def _recorded(data: dict) -> dict:
@@ -290,12 +289,6 @@ class OpenAIRowChecker:
         body = data.get("body") if isinstance(data.get("body"), dict) else {}
         return {"url": data["url"] if isinstance(data.get("url"), str) else None,
                 "model": body["model"] if isinstance(body.get("model"), str) else None}
-
-    @staticmethod
-    def _error(index: int, row_id: str | None, message: str, extras: dict | None = None) -> dict:
-        result = error_result(row_id, message, extras)
-        result[ROW_KEY] = index
-        return result
 
 
 def make_checker(input_format: str, served_models: Iterable[str] | None) -> RowChecker | OpenAIRowChecker:
