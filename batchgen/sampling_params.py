@@ -7,7 +7,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgen.schema import StructuredSpec, check_structured
+from batchgen.schema import FieldError, StructuredSpec, as_int, check_structured
 
 
 MAX_N = 1024  # samples of one prompt: each is a sequence of its own, built when the row is read
@@ -109,3 +109,14 @@ def sample_seed(seed: int | None, index: int) -> int | None:
         return seed
     digest = hashlib.blake2b(f"{seed}\x00sample\x00{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def samples_of(request: dict, default_n: int) -> int:
+    """Results the engine gives for `request`: its n (`default_n`, the job's, when it has none), or
+    1 for an n it refuses (it answers that request with one error row)."""
+    n = request.get("n")
+    try:
+        n = default_n if n is None else as_int("n", n)
+    except FieldError:
+        return 1
+    return n if 1 <= n <= MAX_N else 1
