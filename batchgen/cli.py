@@ -339,13 +339,14 @@ def _token_text(model: str):
     """A token id -> its text, by the tokenizer of `model` ("default": the embedded model's)."""
     from transformers import AutoTokenizer
 
+    from batchgen.io.openai_output import token_text_of
     from batchgen.models.resolve import resolve_model_dir
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None if model == "default" else model))
     except (OSError, ValueError) as e:  # FileNotFoundError included
         raise typer.BadParameter(" ".join(str(e).split()), param_hint="'--tokenizer'") from None
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+    return token_text_of(tokenizer)
 
 
 def _check_input_format(input: Path, input_format: InputFormat) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.models.generation_config import FIELDS
-from batchgen.schema import STRUCTURED_FIELDS, StructuredSpec, check_structured
+from batchgen.schema import STRUCTURED_FIELDS, FieldError, StructuredSpec, as_int, check_structured
 
 
 MAX_N = 1024  # samples of one prompt: each is a sequence of its own, built when the row is read
@@ -129,3 +129,14 @@ def sample_seed(seed: int | None, index: int) -> int | None:
     if seed is None or index == 0:
         return seed
     return _hash_seed(f"{seed}\x00sample\x00{index}")
+
+
+def samples_of(request: dict, default_n: int) -> int:
+    """Results the engine gives for `request`: its n (`default_n`, the job's, when it has none), or
+    1 for an n it refuses (it answers that request with one error row)."""
+    n = request.get("n")
+    try:
+        n = default_n if n is None else as_int("n", n)
+    except FieldError:
+        return 1
+    return n if 1 <= n <= MAX_N else 1

@@ -1,12 +1,27 @@
 """OpenAI batch output lines checked against the OpenAI Python SDK's own types (pydantic models,
-which accept unknown fields: `strict` also refuses fields the SDK does not know)."""
+which accept unknown fields: `strict` also refuses fields the SDK does not know); and the OpenAI
+batch input and output lines the tests write and read."""
 
 from __future__ import annotations
+
+import json
 
 import openai.types
 from openai.types import BatchError, Completion
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
+
+
+def line(custom_id: str, url: str, **body) -> dict:
+    """An OpenAI batch input line."""
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def read_lines(path) -> list[dict]:
+    """The lines of an OpenAI batch output (or error) file, each ended by a newline."""
+    text = path.read_text()
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
 
 
 def strict(model: BaseModel, where: str = "body") -> None:

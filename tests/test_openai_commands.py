@@ -8,24 +8,18 @@ import json
 
 import pytest
 
+from batchgen.io.openai_input import CHAT_URL, COMPLETIONS_URL
 from batchgen.queue import Keys, collect_job, submit_job
-from tests.openai_types import validate_line
+from tests.openai_types import line, validate_line
 from tests.redis_server import prefix, redis_server  # noqa: F401
 from tests.test_queue import Running, StandInLLM, client, keys, results, wait_for, write_jsonl  # noqa: F401
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-
-
-def line(custom_id: str, url: str, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
-
-
 def test_submit_an_openai_file_and_collect_the_openai_output(tmp_path, client, keys):  # noqa: F811
     lines = [
-        line("a", COMPLETIONS, prompt="abc", max_tokens=3, model="served"),
-        line("b", COMPLETIONS, prompt="xyz", user="me"),
-        line("c", CHAT, messages=[{"role": "user", "content": "hi"}], stream=True),
-        line("d", COMPLETIONS, prompt="q", model="other"),
+        line("a", COMPLETIONS_URL, prompt="abc", max_tokens=3, model="served"),
+        line("b", COMPLETIONS_URL, prompt="xyz", user="me"),
+        line("c", CHAT_URL, messages=[{"role": "user", "content": "hi"}], stream=True),
+        line("d", COMPLETIONS_URL, prompt="q", model="other"),
     ]
     src = write_jsonl(tmp_path / "batch.jsonl", lines)
     submitted = submit_job(client, keys, "j", src, served_models=["served"])
@@ -61,7 +55,7 @@ def test_submit_an_openai_file_and_collect_the_openai_output(tmp_path, client, k
 ])
 def test_format_options_usage_errors_are_one_line(tmp_path, batchgen, monkeypatch, args, option):
     monkeypatch.chdir(tmp_path)
-    src = write_jsonl(tmp_path / "in.jsonl", [line("a", COMPLETIONS, prompt="x")])
+    src = write_jsonl(tmp_path / "in.jsonl", [line("a", COMPLETIONS_URL, prompt="x")])
     parquet = tmp_path / "in.parquet"
     parquet.write_bytes(b"PAR1")
     code, _, err = batchgen(*(a.format(src=src, parquet=parquet) for a in args))
@@ -77,7 +71,7 @@ def test_collect_spells_logprob_tokens_with_the_tokenizer_it_is_given(tmp_path, 
     from batchgen.queue.protocol import encode_result
 
     keys = Keys(prefix)
-    src = write_jsonl(tmp_path / "batch.jsonl", [line("a", COMPLETIONS, prompt="Say hi", logprobs=0)])
+    src = write_jsonl(tmp_path / "batch.jsonl", [line("a", COMPLETIONS_URL, prompt="Say hi", logprobs=0)])
     submit_job(client, keys, "j", src)
     (msg_id, fields), = client.xreadgroup("workers", "w", {keys.requests: ">"})[0][1]
     request = json.loads(fields[b"request"])

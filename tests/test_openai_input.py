@@ -11,7 +11,6 @@ from batchgen.io.openai_input import (
 )
 from batchgen.io.rows import ROW_KEY, InputRow
 from batchgen.io.sources import open_source
-from batchgen.schema import KNOWN_FIELDS
 
 SERVED = ["SmolLM2-135M-Instruct", "smol"]
 
@@ -52,9 +51,8 @@ def test_a_chat_line_maps_to_a_messages_row_with_its_sampling_fields():
         "id": "q1", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7, "temperature": 0.5,
         "top_p": 0.9, "seed": 3, "stop": ["\n"], "top_k": 20, "min_tokens": 1, "ignore_eos": False,
         "stop_token_ids": [2], "logprobs": True, "url": CHAT_URL, "model": "smol", ROW_KEY: 0,
+        "n": 1,  # n given: it beats the job's --n
     }
-    if "n" in KNOWN_FIELDS:  # n given: it beats the job's --n
-        expected["n"] = 1
     assert row == expected
 
 
@@ -89,14 +87,11 @@ def test_text_content_parts_are_joined_other_parts_refused_and_developer_is_syst
 
 def test_logprobs_map_from_both_endpoints_shapes():
     """Chat: logprobs (bool) + top_logprobs (k); completions: logprobs (k). Both -> logprobs: true and,
-    for k > 0, top_logprobs: k, which needs the engine's top_logprobs field."""
+    for k > 0, top_logprobs: k."""
     cases = [(chat(logprobs=True, top_logprobs=3), 3), (completion(logprobs=2), 2)]
     for line, k in cases:
-        if "top_logprobs" in KNOWN_FIELDS:
-            row = request(line)
-            assert row["logprobs"] is True and row["top_logprobs"] == k
-        else:
-            assert "top_logprobs is not supported by this batchgen build" in error(line)
+        row = request(line)
+        assert row["logprobs"] is True and row["top_logprobs"] == k
     assert request(chat(logprobs=True, top_logprobs=0))["logprobs"] is True
     assert "logprobs" not in request(chat(logprobs=False))
     assert error(chat(top_logprobs=2)) == "body.top_logprobs needs body.logprobs: true"
@@ -105,16 +100,13 @@ def test_logprobs_map_from_both_endpoints_shapes():
     assert error(chat(logprobs=1)) == "body.logprobs must be true or false, got int"
 
 
-def test_n_and_response_format_pass_through_where_the_engine_has_them():
+def test_n_response_format_and_structured_outputs_pass_through():
     for line, field, value in [(chat(n=3), "n", 3), (completion(n=2, best_of=2), "n", 2),
                                (chat(response_format={"type": "json_object"}), "response_format",
                                 {"type": "json_object"}),
                                (completion(structured_outputs={"regex": "[ab]+"}), "structured_outputs",
                                 {"regex": "[ab]+"})]:
-        if field in KNOWN_FIELDS:
-            assert request(line)[field] == value
-        else:
-            assert f"body.{field} is not supported by this batchgen build" in error(line)
+        assert request(line)[field] == value
     assert error(chat(n=0)) == "body.n must be >= 1, got 0"
     assert error(completion(n=2, best_of=3)) == "body.best_of must equal n (batchgen returns every sample)"
     assert error(chat(response_format="json")) == "body.response_format must be an object, got str"

@@ -6,7 +6,6 @@ with `sample_index` for n samples and `top_logprobs` structs where the rows aske
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -15,7 +14,7 @@ from batchgen.io.openai_output import sidecar_path, stored_fingerprint, stored_m
 from batchgen.io.rows import ROW_KEY
 from batchgen.io.sinks import Layout, PartWriter
 from batchgen.schema import error_result
-from tests.openai_types import validate_line
+from tests.openai_types import read_lines, validate_line
 
 
 def result(index: int, custom_id, url: str, text: str, tokens: list[int], **fields) -> dict:
@@ -37,12 +36,6 @@ def write_parts(workdir, *parts: list[dict]) -> None:
         for row in rows:
             writer.add(row)
         writer.flush()
-
-
-def read_lines(path) -> list[dict]:
-    text = path.read_text()
-    assert text.endswith("\n")
-    return [json.loads(line) for line in text.splitlines()]
 
 
 def write(tmp_path, *parts, error_file=None, token_text=lambda t: f"<{t}>"):

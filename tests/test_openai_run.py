@@ -9,34 +9,26 @@ import subprocess
 import pyarrow.parquet as pq
 import pytest
 
-from tests.openai_types import validate_line
+from batchgen.io.openai_input import CHAT_URL, COMPLETIONS_URL
+from tests.openai_types import line, read_lines, validate_line
 from tests.test_cli_run import REPO, batchgen, command, environment, wait_for_parts, write_jsonl
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 FP32 = ["--dtype", "float32"]  # greedy texts compared between runs that batch rows differently
-
-
-def line(custom_id: str, url: str, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
-
-
-def read_lines(path) -> list[dict]:
-    return [json.loads(text) for text in path.read_text().splitlines()]
 
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LINES = [
-    line("paris", CHAT, model=MODEL, messages=QUESTION, max_completion_tokens=12, temperature=0, logprobs=True,
+    line("paris", CHAT_URL, model=MODEL, messages=QUESTION, max_completion_tokens=12, temperature=0, logprobs=True,
          stop=["\n\n"], seed=1, stream=False, n=1, user="team-a", response_format={"type": "text"}),
-    line("parts", CHAT, messages=[{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+    line("parts", CHAT_URL, messages=[{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
                                   {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}],
          max_tokens=4, temperature=0),
-    line("story", COMPLETIONS, model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=0),
-    line("ids", COMPLETIONS, prompt=[1, 504, 3575, 282], max_tokens=3, temperature=0, stop="\n"),
-    line("nested", COMPLETIONS, prompt=[[1, 504, 3575]], max_tokens=2, temperature=0, echo=False),
+    line("story", COMPLETIONS_URL, model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=0),
+    line("ids", COMPLETIONS_URL, prompt=[1, 504, 3575, 282], max_tokens=3, temperature=0, stop="\n"),
+    line("nested", COMPLETIONS_URL, prompt=[[1, 504, 3575]], max_tokens=2, temperature=0, echo=False),
 ]
 
 
@@ -51,7 +43,7 @@ def test_an_openai_batch_file_gives_a_file_that_the_openai_sdk_reads(tmp_path):
     bodies = {x["custom_id"]: validate_line(x) for x in lines}
     for request in LINES:
         body = bodies[request["custom_id"]]
-        chat = request["url"] == CHAT
+        chat = request["url"] == CHAT_URL
         assert body.object == ("chat.completion" if chat else "text_completion") and body.model == MODEL
         assert len(body.choices) == 1 and body.usage.prompt_tokens > 0
         limit = request["body"].get("max_completion_tokens") or request["body"]["max_tokens"]
@@ -74,24 +66,24 @@ def test_an_openai_batch_file_gives_a_file_that_the_openai_sdk_reads(tmp_path):
     done = batchgen("run", src, parquet, *FP32)
     assert done.returncode == 0, done.stderr
     rows = {r["id"]: r for r in pq.read_table(parquet).to_pylist()}
-    assert set(rows) == set(bodies) and rows["story"]["url"] == COMPLETIONS and rows["paris"]["model"] == MODEL
+    assert set(rows) == set(bodies) and rows["story"]["url"] == COMPLETIONS_URL and rows["paris"]["model"] == MODEL
     for custom_id, body in bodies.items():
         choice = body.choices[0]
         assert rows[custom_id]["text"] == (choice.message.content if body.object == "chat.completion" else choice.text)
 
 
 BAD_LINES = [
-    line("good", COMPLETIONS, prompt="Hello", max_tokens=2),
+    line("good", COMPLETIONS_URL, prompt="Hello", max_tokens=2),
     b"{this is not json",
-    {"method": "POST", "url": CHAT, "body": {"messages": QUESTION}},
+    {"method": "POST", "url": CHAT_URL, "body": {"messages": QUESTION}},
     line("embed", "/v1/embeddings", input="Hello"),
-    {**line("get", CHAT, messages=QUESTION), "method": "GET"},
-    line("types", CHAT, messages=QUESTION, max_tokens="many"),
-    line("unknown", CHAT, messages=QUESTION, frobnicate=True, tools_extra=1),
-    line("stream", CHAT, messages=QUESTION, stream=True),
-    line("model", CHAT, model="gpt-4o-mini", messages=QUESTION, max_tokens=2),
-    line("good", COMPLETIONS, prompt="Hello again", max_tokens=2),
-    line("long", COMPLETIONS, prompt="word " * 100, max_tokens=2),
+    {**line("get", CHAT_URL, messages=QUESTION), "method": "GET"},
+    line("types", CHAT_URL, messages=QUESTION, max_tokens="many"),
+    line("unknown", CHAT_URL, messages=QUESTION, frobnicate=True, tools_extra=1),
+    line("stream", CHAT_URL, messages=QUESTION, stream=True),
+    line("model", CHAT_URL, model="gpt-4o-mini", messages=QUESTION, max_tokens=2),
+    line("good", COMPLETIONS_URL, prompt="Hello again", max_tokens=2),
+    line("long", COMPLETIONS_URL, prompt="word " * 100, max_tokens=2),
 ]
 
 
@@ -134,7 +126,7 @@ def test_bad_lines_become_error_lines_and_the_job_exits_0(tmp_path):
     assert len(read_lines(error_file)) == len(BAD_LINES) - 2
 
 
-KILL_LINES = [line(f"req-{i}", CHAT if i % 2 else COMPLETIONS, max_tokens=8, ignore_eos=True,
+KILL_LINES = [line(f"req-{i}", CHAT_URL if i % 2 else COMPLETIONS_URL, max_tokens=8, ignore_eos=True,
                    **({"messages": [{"role": "user", "content": f"Tell me fact number {i}."}]} if i % 2
                       else {"prompt": f"Fact number {i} about the sea:"}))
               for i in range(8)]
@@ -165,10 +157,10 @@ def test_n_samples_top_logprobs_and_a_json_schema(tmp_path):
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}
     lines = [
-        line("n3", CHAT, messages=QUESTION, n=3, max_tokens=4, temperature=1.0, seed=5),
-        line("top", CHAT, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3),
-        line("top-text", COMPLETIONS, prompt="The sky is", max_tokens=3, temperature=0, logprobs=2),
-        line("json", CHAT, messages=QUESTION, max_tokens=24, temperature=0,
+        line("n3", CHAT_URL, messages=QUESTION, n=3, max_tokens=4, temperature=1.0, seed=5),
+        line("top", CHAT_URL, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3),
+        line("top-text", COMPLETIONS_URL, prompt="The sky is", max_tokens=3, temperature=0, logprobs=2),
+        line("json", CHAT_URL, messages=QUESTION, max_tokens=24, temperature=0,
              response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}),
     ]
     src = write_jsonl(tmp_path / "batch.jsonl", lines)

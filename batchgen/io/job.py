@@ -23,7 +23,7 @@ from batchgen.io.rows import RESERVED, ROW_KEY
 from batchgen.io.shard import Shard
 from batchgen.io.sinks import Layout, PartWriter, Totals, list_parts, merge_parts, prefix_cache_totals
 from batchgen.io.sources import InputError, open_source
-from batchgen.sampling_params import MAX_N
+from batchgen.sampling_params import samples_of
 from batchgen.schema import SAMPLES_KEY
 
 
@@ -167,11 +167,11 @@ def run_job(
                     if not done.has_any(row.index):
                         finished(error)
                     continue
-                n = request.get("n", getattr(sampling, "n", 1))
-                missing = done.missing(row.index, n if 1 <= n <= MAX_N else 1)  # (a bad n: the engine's error row)
+                samples = samples_of(request, getattr(sampling, "n", 1))  # (a bad n: the engine's error row)
+                missing = done.missing(row.index, samples)
                 if not missing:
                     continue
-                if len(missing) < n:  # an earlier run finished some of its samples
+                if len(missing) < samples:  # an earlier run finished some of its samples
                     request[SAMPLES_KEY] = missing
                 if len(missing) > 1:
                     samples_left[row.index] = len(missing)
@@ -259,12 +259,9 @@ def _served_model(spec: JobSpec) -> str:
     return spec.served_models[0] if spec.served_models else str(spec.settings.get("model") or "batchgen")
 
 
-def _token_text(llm) -> Callable[[int], str] | None:
-    """A token's own text, for the `token` of OpenAI logprobs (special tokens spelled out)."""
+def _token_text(llm) -> openai_output.TokenText | None:
     tokenizer = getattr(llm, "tokenizer", None)
-    if tokenizer is None:
-        return None
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+    return None if tokenizer is None else openai_output.token_text_of(tokenizer)
 
 
 def _stored_metadata(output: Path) -> dict:

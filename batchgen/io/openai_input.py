@@ -7,9 +7,7 @@ response, and Parquet output shows both as columns.
 
 Body fields either map onto a row field, are accepted only at their default value (`stream: false`,
 `frequency_penalty: 0`, ...), are ignored (`user`, `metadata`, `store`), or are refused: an unknown
-field makes the line an error row naming it, so no setting is ever dropped silently. Fields whose
-engine feature this build lacks (`n`, `top_logprobs`, `response_format`, `structured_outputs`: they
-need the row field of that name in batchgen.schema.KNOWN_FIELDS) are refused the same way.
+field makes the line an error row naming it, so no setting is ever dropped silently.
 """
 
 from __future__ import annotations
@@ -18,15 +16,14 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from batchgen.io.rows import ROW_KEY, IdSet, InputRow, RowChecker
-from batchgen.io.sources import JSONL_SUFFIXES
-from batchgen.schema import FieldError, KNOWN_FIELDS, PROMPT_FIELDS, as_int, error_result, type_name
+from batchgen.io.rows import IdSet, InputRow, RowChecker, checked_request, error_row
+from batchgen.io.sources import JSONL_SUFFIXES, JsonlSource
+from batchgen.schema import MAX_TOP_LOGPROBS, FieldError, PROMPT_FIELDS, as_int, type_name
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 URLS = (CHAT_URL, COMPLETIONS_URL)
 LINE_FIELDS = ("custom_id", "method", "url", "body")
-MAX_TOP_LOGPROBS = 20
 
 # Body fields copied to the row field of the same name (the native checks type-check them).
 PASSED_FIELDS = ("temperature", "top_p", "stop", "seed", "top_k", "min_tokens", "ignore_eos", "stop_token_ids")
@@ -64,21 +61,14 @@ def looks_like_openai(data: Any) -> bool:
 
 
 def detect_jsonl_format(path: Path, max_lines: int = 100) -> str:
-    """"openai" or "batchgen", from the first non-blank line that is a JSON object (lines that are
-    not are skipped: they are error rows in either format); "batchgen" when none is found soon."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f):
-            if number >= max_lines:
-                break
-            raw = raw.removeprefix(b"\xef\xbb\xbf") if number == 0 else raw
-            if not raw.strip():
-                continue
-            try:
-                data = json.loads(raw)
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(data, dict):
-                return "openai" if looks_like_openai(data) else "batchgen"
+    """"openai" or "batchgen", from the first non-blank line of the first `max_lines` that is a JSON
+    object (lines that are not are skipped: they are error rows in either format); "batchgen" when
+    none is found there."""
+    for row in JsonlSource(path):  # row.index: the 0-based line number, blank lines counted
+        if row.index >= max_lines:
+            break
+        if isinstance(row.data, dict):
+            return "openai" if looks_like_openai(row.data) else "batchgen"
     return "batchgen"
 
 
@@ -152,11 +142,6 @@ def _completion_prompt(value: Any) -> dict:
     raise FieldError(f"body.prompt must be a string or a list of token ids, got {type_name(value)}")
 
 
-def _supported(field: str) -> None:
-    if field not in KNOWN_FIELDS:
-        raise FieldError(f"body.{field} is not supported by this batchgen build")
-
-
 class OpenAILineMapper:
     """One OpenAI batch line -> a batchgen row; FieldError with a one-line message otherwise.
 
@@ -217,8 +202,7 @@ class OpenAILineMapper:
             raise FieldError("body.best_of must equal n (batchgen returns every sample)")
         if n is not None and n < 1:
             raise FieldError(f"body.n must be >= 1, got {n}")
-        if n is not None and (n != 1 or "n" in KNOWN_FIELDS):  # absent: the job's --n (1 unless set, as OpenAI's)
-            _supported("n")
+        if n is not None:  # absent: the job's --n (1 unless set, as OpenAI's)
             row["n"] = n
 
         row.update(self._logprobs(url, body))
@@ -226,10 +210,8 @@ class OpenAILineMapper:
         if response_format is not None and response_format != {"type": "text"}:  # text: the default
             if not isinstance(response_format, dict):
                 raise FieldError(f"body.response_format must be an object, got {type_name(response_format)}")
-            _supported("response_format")
             row["response_format"] = response_format
         if body.get("structured_outputs") is not None:  # vLLM's: {"json" | "regex" | "choice" | "grammar": ...}
-            _supported("structured_outputs")
             row["structured_outputs"] = body["structured_outputs"]
         return row
 
@@ -265,7 +247,6 @@ class OpenAILineMapper:
             raise FieldError(f"body.{name} must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         fields: dict[str, Any] = {"logprobs": True} if asked else {}
         if top:
-            _supported("top_logprobs")
             fields["top_logprobs"] = top
         return fields
 
@@ -279,29 +260,28 @@ class OpenAIRowChecker:
 
     def __init__(self, served_models: Iterable[str] | None) -> None:
         self.mapper = OpenAILineMapper(served_models)
-        self.seen = IdSet()
-        self.native = RowChecker()
+        self.seen = IdSet()  # custom_ids; the mapped row's id is its custom_id, so no second id check
 
     def check(self, row: InputRow) -> tuple[dict | None, dict | None]:
         where = f"line {row.index + 1}"
         if row.data is None:
-            return None, self._error(row.index, None, f"{row.error or 'unreadable line'} ({where})")
+            return None, error_row(row.index, None, f"{row.error or 'unreadable line'} ({where})")
         data = row.data
         if not isinstance(data, dict):
-            return None, self._error(row.index, None, f"not a JSON object, got {type_name(data)} ({where})")
+            return None, error_row(row.index, None, f"not a JSON object, got {type_name(data)} ({where})")
         custom_id = data.get("custom_id")
         if custom_id is None:
-            return None, self._error(row.index, None, f"custom_id is missing ({where})")
+            return None, error_row(row.index, None, f"custom_id is missing ({where})")
         if not isinstance(custom_id, str) or not custom_id:
             problem = "is empty" if custom_id == "" else f"must be a string, got {type_name(custom_id)}"
-            return None, self._error(row.index, None, f"custom_id {problem} ({where})")
+            return None, error_row(row.index, None, f"custom_id {problem} ({where})")
         if not self.seen.add(custom_id):
-            return None, self._error(row.index, None, f"custom_id {custom_id!r} already seen in this input ({where})")
+            return None, error_row(row.index, None, f"custom_id {custom_id!r} already seen in this input ({where})")
         try:
             mapped = self.mapper.line(data)
         except FieldError as e:
-            return None, self._error(row.index, custom_id, str(e), self._recorded(data))
-        return self.native.check(InputRow(row.index, mapped))
+            return None, error_row(row.index, custom_id, str(e), self._recorded(data))
+        return checked_request(row.index, custom_id, mapped)
 
     @staticmethod
     def _recorded(data: dict) -> dict:
@@ -309,12 +289,6 @@ class OpenAIRowChecker:
         body = data.get("body") if isinstance(data.get("body"), dict) else {}
         return {"url": data["url"] if isinstance(data.get("url"), str) else None,
                 "model": body["model"] if isinstance(body.get("model"), str) else None}
-
-    @staticmethod
-    def _error(index: int, row_id: str | None, message: str, extras: dict | None = None) -> dict:
-        result = error_result(row_id, message, extras)
-        result[ROW_KEY] = index
-        return result
 
 
 def make_checker(input_format: str, served_models: Iterable[str] | None) -> RowChecker | OpenAIRowChecker:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import nullcontext
 import math
 import os
 import time
@@ -36,7 +37,7 @@ import pyarrow.parquet as pq
 
 from batchgen.io.openai_input import COMPLETIONS_URL
 from batchgen.io.rows import ROW_KEY
-from batchgen.io.sinks import TOTALS_COLUMNS, Totals, fsync_dir, list_parts, write_atomically
+from batchgen.io.sinks import Totals, first_copies, fsync_dir, list_parts, write_atomically
 
 SAMPLE_KEY = "sample_index"  # the n samples of one line (absent: one sample, index 0)
 ERROR_CODE = "invalid_request"
@@ -48,6 +49,11 @@ OPENAI_SUFFIXES = (".jsonl", ".ndjson")
 TokenText = Callable[[int], str]
 
 
+def token_text_of(tokenizer) -> TokenText:
+    """A token id -> its own text, for the `token` of OpenAI logprobs (special tokens spelled out)."""
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 # --- response objects ---------------------------------------------------------------------------
 
 
@@ -55,13 +61,6 @@ def _logprob(value: float | None) -> float:
     if value is None or math.isnan(value):
         return MIN_LOGPROB
     return max(float(value), MIN_LOGPROB)
-
-
-def _top_logprobs(sample: dict) -> list[list[dict]] | None:
-    """The row's top-k alternatives of each generated token, each a list of {token_id, token, logprob}
-    (stored as JSON text where a part had no Arrow type for them)."""
-    value = sample.get("top_logprobs")
-    return json.loads(value) if isinstance(value, str) else value
 
 
 class TokenNames:
@@ -95,7 +94,8 @@ def _chat_logprobs(sample: dict, names: TokenNames) -> dict | None:
     values = sample.get("logprobs")
     if values is None:
         return None
-    tops = _top_logprobs(sample) or [None] * len(values)
+    # per generated token, its top-k alternatives as {token_id, token, logprob} (sinks.TOP_LOGPROB_TYPE)
+    tops = sample.get("top_logprobs") or [None] * len(values)
     content = []
     for token_id, value, top in zip(sample["output_token_ids"], values, tops):
         content.append({
@@ -109,7 +109,7 @@ def _completion_logprobs(sample: dict, names: TokenNames) -> dict | None:
     values = sample.get("logprobs")
     if values is None:
         return None
-    stored_tops = _top_logprobs(sample)
+    stored_tops = sample.get("top_logprobs")
     tops = stored_tops if stored_tops is not None else [None] * len(values)
     tokens = [names(t, top) for t, top in zip(sample["output_token_ids"], tops)]
     offsets, at = [], 0
@@ -210,41 +210,6 @@ def stored_fingerprint(output: Path) -> dict | None:
     return meta.get("fingerprint") if isinstance(meta, dict) else None
 
 
-class _Selection:
-    """Pass 1: which rows of which part go to the output (the first copy of each (line, sample)),
-    and the last part that holds a sample of each line."""
-
-    def __init__(self) -> None:
-        self.seen_first = np.zeros(0, dtype=bool)  # sample 0 of line i saved (a bitmap: the common case)
-        self.seen_more: set[tuple[int, int]] = set()  # (line, sample > 0)
-        self.last_part = np.full(0, -1, dtype=np.int64)
-
-    def _grow(self, top: int) -> None:
-        if top >= len(self.seen_first):
-            extra = top + 1 - len(self.seen_first) + 1024
-            self.seen_first = np.concatenate([self.seen_first, np.zeros(extra, dtype=bool)])
-            self.last_part = np.concatenate([self.last_part, np.full(extra, -1, dtype=np.int64)])
-
-    def add(self, part_number: int, lines: np.ndarray, samples: np.ndarray) -> np.ndarray:
-        """-> the keep mask of one part's rows."""
-        keep = np.zeros(len(lines), dtype=bool)
-        if not len(lines):
-            return keep
-        self._grow(int(lines.max()))
-        first = np.flatnonzero(samples == 0)
-        unique = first[np.unique(lines[first], return_index=True)[1]]
-        unique = unique[~self.seen_first[lines[unique]]]
-        keep[unique] = True
-        self.seen_first[lines[unique]] = True
-        for j in np.flatnonzero(samples != 0):
-            key = (int(lines[j]), int(samples[j]))
-            if key not in self.seen_more:
-                self.seen_more.add(key)
-                keep[j] = True
-        self.last_part[lines[keep]] = part_number
-        return keep
-
-
 def _text_file(path: Path):
     return open(path, "w", encoding="utf-8", newline="\n")
 
@@ -263,35 +228,21 @@ def write_openai_output(
     -> the totals over the rows kept. `metadata(totals)` goes to the sidecar; `salt` (the job's
     fingerprint) makes the generated ids differ between jobs while a rerun gives the same ones."""
     parts = list_parts(workdir)
-    selection = _Selection()
-    totals = Totals()
-    keeps = []
-    for number, part in enumerate(parts):
-        if should_stop():
-            raise KeyboardInterrupt
-        names = set(pq.read_schema(part).names)
-        table = pq.read_table(part, columns=[c for c in (ROW_KEY, *TOTALS_COLUMNS, SAMPLE_KEY) if c in names])
-        for name in TOTALS_COLUMNS:  # a column that parts of an older version lack
-            if name not in names:
-                table = table.append_column(name, pa.nulls(table.num_rows, pa.int64()))
-        lines = table.column(ROW_KEY).to_numpy()
-        samples = (table.column(SAMPLE_KEY).fill_null(0).to_numpy() if SAMPLE_KEY in names
-                   else np.zeros(len(lines), dtype=np.int64))
-        keep = selection.add(number, lines, samples)
-        keeps.append(keep)
-        totals.add(table.filter(pa.array(keep)))
-    totals.requests = int((selection.last_part >= 0).sum())  # input lines answered (n samples: one line)
+    lines_of, keeps, totals = first_copies(parts, should_stop)  # totals.requests: lines answered
+    # the last part that holds a kept row of each line: the line is written once that part is read
+    last_part = np.full(max((int(lines.max()) + 1 for lines in lines_of if len(lines)), default=0), -1)
+    for number, (lines, keep) in enumerate(zip(lines_of, keeps)):
+        last_part[lines[keep]] = number
     meta = metadata(totals)
 
     created = int(time.time())
     token_names = TokenNames(token_text)
     tmp = workdir / "final.jsonl.tmp"
+    error_tmp = None  # no error file: failed lines go to OUTPUT
     if error_file is not None:  # beside it: a rename does not cross file systems
         error_file.parent.mkdir(parents=True, exist_ok=True)
         error_tmp = error_file.with_name(error_file.name + ".tmp")
-    else:
-        error_tmp = workdir / "errors.jsonl.tmp"
-    with _text_file(tmp) as out, _text_file(error_tmp) as errors:
+    with _text_file(tmp) as out, (_text_file(error_tmp) if error_tmp is not None else nullcontext()) as errors:
         pending: dict[int, list[dict]] = {}
         for number, (part, keep) in enumerate(zip(parts, keeps)):
             if should_stop():
@@ -300,20 +251,19 @@ def write_openai_output(
             table = pq.read_table(part, columns=[c for c in OUTPUT_COLUMNS if c in names]).filter(pa.array(keep))
             for row in table.to_pylist():
                 pending.setdefault(row[ROW_KEY], []).append(row)
-            for line_index in [i for i in pending if selection.last_part[i] == number]:
+            for line_index in [i for i in pending if last_part[i] == number]:
                 key = hashlib.blake2b(f"{salt}\x00{line_index}".encode(), digest_size=12).hexdigest()
                 line, failed = output_line(pending.pop(line_index), served_model, created, key, token_names)
-                target = errors if failed and error_file is not None else out
+                target = errors if failed and errors is not None else out
                 target.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
         assert not pending, "a line's last part was passed without writing it"
         for f in (out, errors):
-            f.flush()
-            os.fsync(f.fileno())
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
     if error_file is not None:
         os.replace(error_tmp, error_file)
         fsync_dir(error_file.parent)
-    else:
-        error_tmp.unlink()
     stat = tmp.stat()
     sidecar = {"batchgen": meta, "output": {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}}
     write_atomically(sidecar_path(output), lambda f: f.write(json.dumps(sidecar, indent=1).encode()))

@@ -95,10 +95,10 @@ class RowChecker:
         its index as id.
         """
         if row.data is None:
-            return None, self._error(row.index, row.index, row.error or "unreadable row", {})
+            return None, error_row(row.index, row.index, row.error or "unreadable row")
         data = row.data
         if not isinstance(data, dict):
-            return None, self._error(row.index, row.index, f"not a JSON object (got {_json_type(data)})", {})
+            return None, error_row(row.index, row.index, f"not a JSON object (got {_json_type(data)})")
         extras = {k: v for k, v in data.items() if k not in KNOWN_FIELDS}  # carried through
 
         row_id: str | int = row.index
@@ -116,25 +116,36 @@ class RowChecker:
                 id_problem = f"id {row_id!r} already seen in this input"
                 row_id = row.index
         if id_problem is not None:
-            return None, self._error(row.index, row_id, id_problem, extras)
+            return None, error_row(row.index, row_id, id_problem, extras)
+        return checked_request(row.index, row_id, data, extras)
 
-        reserved = sorted(k for k in extras if k in RESERVED)
-        if reserved:
-            names = ", ".join(reserved)
-            return None, self._error(row.index, row_id, f"column {names} is reserved for the output; rename it", extras)
-        try:
-            request = {"id": row_id, **check_prompt(data), **check_options(data)}
-        except FieldError as e:
-            return None, self._error(row.index, row_id, str(e), extras)
-        request.update(extras)
-        request[ROW_KEY] = row.index
-        return request, None
 
-    @staticmethod
-    def _error(index: int, row_id: Any, message: str, extras: dict) -> dict:
-        result = error_result(row_id, message, extras)
-        result[ROW_KEY] = index
-        return result
+def checked_request(index: int, row_id: str | int, data: dict,
+                    extras: dict | None = None) -> tuple[dict | None, dict | None]:
+    """The checks after the id's, for input row `index` whose id `row_id` passed them (RowChecker's,
+    or an OpenAI line's custom_id): reserved column names, the prompt and the per-row fields ->
+    (request, None) or (None, error result). `extras`: data's carried-through fields, where the
+    caller has them already."""
+    if extras is None:
+        extras = {k: v for k, v in data.items() if k not in KNOWN_FIELDS}
+    reserved = sorted(k for k in extras if k in RESERVED)
+    if reserved:
+        names = ", ".join(reserved)
+        return None, error_row(index, row_id, f"column {names} is reserved for the output; rename it", extras)
+    try:
+        request = {"id": row_id, **check_prompt(data), **check_options(data)}
+    except FieldError as e:
+        return None, error_row(index, row_id, str(e), extras)
+    request.update(extras)
+    request[ROW_KEY] = index
+    return request, None
+
+
+def error_row(index: int, row_id: Any, message: str, extras: dict | None = None) -> dict:
+    """The error result of input row `index` (with ROW_KEY: resume and sharding go by it)."""
+    result = error_result(row_id, message, extras)
+    result[ROW_KEY] = index
+    return result
 
 
 def _json_type(value: Any) -> str:

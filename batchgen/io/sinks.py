@@ -361,38 +361,45 @@ def read_row_keys(part: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return indices, samples, errors
 
 
-def merge_parts(workdir: Path, output: Path, layout: Layout, metadata, should_stop=lambda: False) -> Totals:
-    """Streams every part into `output`, each (input row, sample_index) at most once, then renames
-    it into place.
+def first_copies(parts: list[Path], should_stop=lambda: False) -> tuple[list[np.ndarray], list[np.ndarray], Totals]:
+    """Which rows of `parts` go to the final file: the first copy of each (input row, sample_index),
+    in part order. -> per part, its rows' input row indices and their keep mask; and the totals over
+    the rows kept.
 
-    First the parts' keys decide which rows to keep (the first of each key), then one pass reads
-    only the columns that the totals need, so that `metadata(totals)` (the `batchgen` key) can go
-    into the schema before the last pass copies the rows in row groups of up to
-    FINAL_ROW_GROUP_ROWS rows."""
-    parts = list_parts(workdir)
-    schema = layout.final_schema([pq.read_schema(p) for p in parts])
+    First the parts' keys decide which rows to keep, then one pass reads only the columns that the
+    totals need, so that a writer can put `metadata(totals)` before the rows."""
     totals = Totals()
-    keys, sizes = [], []
+    rows, keys = [], []
     for part in parts:
         if should_stop():
             raise KeyboardInterrupt
         indices, samples, _ = read_row_keys(part)
+        rows.append(indices)
         keys.append(indices.astype(np.int64) * MAX_N + samples)  # one int64 per (row, sample)
-        sizes.append(len(indices))
     every = np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)
     first = np.zeros(len(every), dtype=bool)
     first[np.unique(every, return_index=True)[1]] = True
     totals.requests = len(np.unique(every[first] // MAX_N))
-    keep_masks: list[np.ndarray | None] = []
-    for part, keep in zip(parts, np.split(first, np.cumsum(sizes)[:-1]) if parts else []):
+    keeps = np.split(first, np.cumsum([len(k) for k in keys])[:-1]) if parts else []
+    for part, keep in zip(parts, keeps):
         if should_stop():
             raise KeyboardInterrupt
         table = pq.read_table(part, columns=[c for c in TOTALS_COLUMNS if c in pq.read_schema(part).names])
         for name in TOTALS_COLUMNS:  # (cached_prompt_tokens: absent from the parts of older versions)
             if name not in table.column_names:
                 table = table.append_column(name, pa.nulls(table.num_rows, pa.int64()))
-        keep_masks.append(None if keep.all() else keep)
         totals.add(table if keep.all() else table.filter(pa.array(keep)))
+    return rows, keeps, totals
+
+
+def merge_parts(workdir: Path, output: Path, layout: Layout, metadata, should_stop=lambda: False) -> Totals:
+    """Streams every part into `output`, each (input row, sample_index) at most once (first_copies),
+    then renames it into place. `metadata(totals)` (the `batchgen` key) goes into the schema before
+    the last pass copies the rows in row groups of up to FINAL_ROW_GROUP_ROWS rows."""
+    parts = list_parts(workdir)
+    schema = layout.final_schema([pq.read_schema(p) for p in parts])
+    _, keeps, totals = first_copies(parts, should_stop)
+    keep_masks = [None if keep.all() else keep for keep in keeps]
 
     final = plain_schema(schema).with_metadata({"batchgen": json.dumps(metadata(totals))})
     tmp = workdir / "final.parquet.tmp"

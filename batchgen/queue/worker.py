@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterator
 import redis
 
 from batchgen.queue.metrics import WorkerMetrics
-from batchgen.sampling_params import MAX_N
-from batchgen.schema import FieldError, as_int, error_result
+from batchgen.sampling_params import samples_of
+from batchgen.schema import error_result
 from batchgen.queue.protocol import (
     DELETE_IDLE_CONSUMER, FATAL, FINISH, GROUP, TOUCH, Backoff, Keys, Message, decode_request, encode_dead_letter,
     encode_result, ensure_group, request_id_of, text, to_json,
@@ -94,7 +94,8 @@ class Worker:
         self.buffer: deque[Message] = deque()  # taken from the stream, not yet handed to the engine
         self.last_chance: deque[Message] = deque()  # ditto, on their last delivery: they run alone
         self.in_flight: dict[str, Message] = {}  # handed to the engine, not every result yet
-        self.samples_done: dict[str, list[dict]] = {}  # results so far of in-flight messages of n > 1
+        # in-flight messages with results: (results the message gets, its results so far)
+        self.samples_done: dict[str, tuple[int, list[dict]]] = {}
         self.unsent: deque[_Answer] = deque()  # answered, not yet written (Redis was away)
         self._alone: str | None = None  # the message running alone in the engine
         self._owned: set[str] = set()  # ids of all of the above: pending for this worker
@@ -264,22 +265,15 @@ class Worker:
             return
         row = _output_row(result)
         self.metrics.observe(row)
-        rows = self.samples_done.setdefault(msg_id, [])
+        if msg_id not in self.samples_done:
+            self.samples_done[msg_id] = (samples_of(message.request, getattr(self.sampling, "n", 1)), [])
+        expected, rows = self.samples_done[msg_id]
         rows.append(row)
-        if row.get("finish_reason") != "error" and len(rows) < self._samples_of(message):
+        if row.get("finish_reason") != "error" and len(rows) < expected:
             return  # the message is answered with all its samples at once
         del self.in_flight[msg_id], self.samples_done[msg_id]
         self.metrics.in_flight.set(len(self.in_flight))
         self._answer(message, rows)
-
-    def _samples_of(self, message: Message) -> int:
-        """Results the engine gives for a message: its request's n (the job's when it has none)."""
-        try:
-            n = message.request.get("n")
-            n = as_int("n", n) if n is not None else getattr(self.sampling, "n", 1)
-        except FieldError:
-            return 1  # the engine answers it with one error row
-        return n if 1 <= n <= MAX_N else 1
 
     def _answer(self, message: Message, rows: list[dict]) -> None:
         entries = []
