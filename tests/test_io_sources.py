@@ -32,6 +32,14 @@ def test_jsonl_bad_lines_become_rows_with_a_reason(tmp_path):
     assert rows[3].data == 42  # JSON, but not an object: the row checker says so
 
 
+def test_jsonl_line_with_an_integer_too_long_for_python_is_a_bad_row(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "a", "max_tokens": ' + "9" * 5000 + '}\n{"prompt": "b"}\n')
+    rows = list(open_source(path))
+    assert rows[0].data is None and rows[0].error.startswith("not usable JSON: ") and "4300 digits" in rows[0].error
+    assert rows[1].data == {"prompt": "b"}
+
+
 def test_jsonl_is_read_lazily(tmp_path):
     path = tmp_path / "in.jsonl"
     with open(path, "w") as f:

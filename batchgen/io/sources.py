@@ -71,6 +71,8 @@ def parse_jsonl_line(index: int, raw: bytes) -> InputRow:
         return InputRow(index, None, f"not JSON: {e.msg} at column {e.colno}")
     except RecursionError:
         return InputRow(index, None, "not usable JSON: nested too deeply")
+    except ValueError as e:  # an integer over Python's 4,300 digits
+        return InputRow(index, None, f"not usable JSON: {str(e).split(':')[0].lower()}")
     return InputRow(index, data)
 
 
