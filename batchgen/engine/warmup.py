@@ -96,7 +96,7 @@ def warm_up(runner) -> None:
         for decode_lens, chunks in steps:
             fb = synthetic_batch(kv, dev, decode_lens, chunks)
             fb.record_slots()
-            warm_sampling(runner.model.compute_logits(runner.model(fb)))
+            warm_sampling(runner.forward(fb))
         # the LM head at every number of sampled rows: cuBLAS picks a kernel by shape, and a kernel's
         # first launch loads its module (CUDA lazy loading), which a first job would otherwise pay
         hidden = torch.zeros((runner.config.max_num_seqs, runner.model_cfg.hidden_size), dtype=runner.dtype, device=dev)
