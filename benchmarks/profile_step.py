@@ -1,8 +1,9 @@
 """Where the time goes in the step loop: one workload of benchmarks/throughput.py under cProfile
 (after a warm-up job), the top functions by own time and the step count; with --kernels, the top
-GPU kernels by total time over steps 100-199 of the job (torch profiler).
+GPU kernels by total time over steps 100-199 of the job, or over the whole job with --steps all
+(torch profiler).
 
-    python benchmarks/profile_step.py --model llama-3.2-1b --workload W-short [--kernels]
+    python benchmarks/profile_step.py --model llama-3.2-1b --workload W-short [--kernels [--steps all]]
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def main(argv=None):
     ap.add_argument("--models-dir", default="/tmp/batchgen-bench-models")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--kernels", action="store_true", help="GPU kernel times instead of the host profile")
+    ap.add_argument("--steps", default="100:200", help="steps profiled with --kernels: FIRST:END or all")
     args = ap.parse_args(argv)
     model_dir = build_model(args.model, Path(args.models_dir))
     requests = make_requests(args.workload, MODELS[args.model][1]["vocab_size"])
@@ -36,7 +38,7 @@ def main(argv=None):
     params = SamplingParams(temperature=0.6, ignore_eos=True)
     llm.generate_list(requests[:2], params)
     if args.kernels:
-        return profile_kernels(llm, requests, params, args.top)
+        return profile_kernels(llm, requests, params, args.top, args.steps)
     steps = 0
     step = llm.engine.step
 
@@ -60,24 +62,30 @@ def main(argv=None):
           f"({1000 * wall / steps:.2f} ms/step), {tokens / wall:.0f} tok/s")
 
 
-def profile_kernels(llm, requests, params, top: int) -> None:
+def profile_kernels(llm, requests, params, top: int, steps: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    step, seen = llm.engine.step, [0]
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-
-    def window():
-        seen[0] += 1
-        if seen[0] == 100:
-            prof.start()
-        out = step()
-        if seen[0] == 199:
+    if steps == "all":
+        with prof:
+            llm.generate_list(requests, params)
             torch.cuda.synchronize()
-            prof.stop()
-        return out
+    else:
+        first, end = (int(s) for s in steps.split(":"))
+        step, seen = llm.engine.step, [0]
 
-    llm.engine.step = window
-    llm.generate_list(requests, params)
+        def window():
+            seen[0] += 1
+            if seen[0] == first:
+                prof.start()
+            out = step()
+            if seen[0] == end - 1:
+                torch.cuda.synchronize()
+                prof.stop()
+            return out
+
+        llm.engine.step = window
+        llm.generate_list(requests, params)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70))
 
 
