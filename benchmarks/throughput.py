@@ -282,6 +282,7 @@ def run_batchgen(model_dir: Path, variants: dict[str, list[dict]], temperature: 
             runs[name].append({"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens,
                                "ttft_p50_s": ttft[len(ttft) // 2], "gpu_busy_pct": busy.percent,
                                "startup_s": startup, "prefix_cache_hit_rate": round(hit_rate, 4),
+                               "kv_cache_tokens": llm.engine.kv.num_slots,
                                "gc_s": round(pauses.gc_s, 3), "alloc_retries": pauses.alloc_retries,
                                "completion_tokens": [r["completion_tokens"] for r in results]})
             if structured.mask_steps:
@@ -359,6 +360,8 @@ def main(argv=None):
                     help="time the first job right after start-up (with a fresh TRITON_CACHE_DIR: a first run)")
     ap.add_argument("--compare-cache-off", action="store_true",
                     help="also run each workload with the prefix cache off (always done for W-prefix)")
+    ap.add_argument("--compare-kv-fp8", action="store_true",
+                    help="also run each workload with an fp8 KV cache (--kv-cache-dtype fp8)")
     ap.add_argument("--json-out", help="append the JSON lines to this file")
     ap.add_argument("--plot", help="write a PNG bar chart of this run's lines")
     args = ap.parse_args(argv)
@@ -400,6 +403,11 @@ def main(argv=None):
                 line.update({"cache_off_tok_s": round(off["tok_s"], 1), "cache_off_wall_s": round(off["wall_s"], 2),
                              "cache_off_runs_tok_s": off["runs_tok_s"],
                              "ratio_vs_cache_off": round(ours["tok_s"] / off["tok_s"], 3)})
+            if args.compare_kv_fp8:
+                fp8 = other(requests, kv_cache_dtype="fp8")
+                line.update({"kv_fp8_tok_s": round(fp8["tok_s"], 1), "kv_fp8_runs_tok_s": fp8["runs_tok_s"],
+                             "kv_fp8_kv_cache_tokens": fp8["kv_cache_tokens"],
+                             "ratio_kv_fp8_vs_auto": round(fp8["tok_s"] / ours["tok_s"], 3)})
             if workload == "W-n":
                 # the same job as n separate rows a prompt: without the cache (each row prefills its prompt)
                 # and with it (the rows share the prompt through the cache, as n's samples do)

@@ -117,6 +117,16 @@ def test_jsonl_job_end_to_end(tmp_path):
     assert again.returncode == 0 and "already complete" in again.stdout
 
 
+def test_fp8_kv_cache_job_says_so_in_its_metadata(tmp_path):
+    out = tmp_path / "out.parquet"
+    done = batchgen("run", REPO / "examples" / "prompts.parquet", out, "--max-tokens", "3", "--kv-cache-dtype", "fp8",
+                    "--log-every", "0")
+    assert done.returncode == 0, done.stderr
+    rows, meta = read(out)
+    assert meta["kv_cache_dtype"] == "float8_e4m3fn" and meta["rows_error"] == 0 and rows
+    assert all(r["error"] is None and r["completion_tokens"] > 0 for r in rows)
+
+
 def test_parquet_job_end_to_end_with_settings_from_the_environment(tmp_path):
     out = tmp_path / "out.parquet"
     done = batchgen("run", REPO / "examples" / "prompts.parquet", out,

@@ -17,7 +17,7 @@ def test_help_lists_the_options_and_their_environment_variables(batchgen):
                  "--max-num-batched-tokens", "--gpu-memory-utilization", "--max-model-len", "--kv-cache-tokens",
                  "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--shard", "--resume",
                  "--no-resume", "--strict", "BATCHGEN_MAX_TOKENS", "BATCHGEN_TENSOR_PARALLEL_SIZE", "--n",
-                 "--enable-prefix-caching", "--no-enable-prefix-caching"):
+                 "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-cache-dtype"):
         assert text in done.stdout, text
     top = batchgen("--help")
     assert top.returncode == 0 and "run" in top.stdout and "models" in top.stdout
@@ -31,6 +31,7 @@ def test_help_lists_the_options_and_their_environment_variables(batchgen):
         (["--shard", "half"], {}, "I/N"),
         (["--dtype", "float8"], {}, "--dtype"),
         (["--device", "tpu"], {}, "--device"),
+        (["--kv-cache-dtype", "int4"], {}, "--kv-cache-dtype"),
         (["--bogus"], {}, "No such option: --bogus"),
         (["--top-p", "0"], {}, "top_p must be in (0, 1]"),
         (["--max-tokens", "0"], {}, "max_tokens must be >= 1"),

@@ -72,6 +72,7 @@ class LLMEngine:
             "max_num_seqs": self.config.max_num_seqs,
             "max_num_batched_tokens": self.runner.max_num_batched_tokens,
             "kv_cache_tokens": self.kv.num_slots,
+            "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "seed": self.config.seed,

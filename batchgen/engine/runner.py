@@ -56,6 +56,19 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
     return DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
 
 
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's dtype: the model's, or fp8 e4m3 (kernels/store_kv.py says how values go in)."""
+    if name == "auto":
+        return model_dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"invalid --kv-cache-dtype: {name} needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+            f"this one is {major}.{minor}; use --kv-cache-dtype auto"
+        )
+    return torch.float8_e4m3fn
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: ModelConfig, tp: TensorParallel = SINGLE):
         self.config = config
@@ -65,6 +78,7 @@ class ModelRunner:
         if self.device.type == "cuda" and tp.size > 1:  # one GPU per rank; the caller made it current
             self.device = torch.device("cuda", tp.rank)
         self.dtype = resolve_dtype(config.dtype, model_cfg.torch_dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         if model_cfg.sliding_window:  # we attend to the whole context: stay inside the window
             self.max_model_len = min(self.max_model_len, model_cfg.sliding_window)
@@ -92,7 +106,7 @@ class ModelRunner:
     def _make_kv_cache(self, num_slots: int) -> KVCache:
         kv = KVCache(
             self.model_cfg.num_layers, num_slots, self.num_kv_heads, self.head_dim, self.config.max_num_seqs,
-            self.max_model_len, self.dtype, self.device,
+            self.max_model_len, self.kv_dtype, self.device,
         )
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = kv.k[i], kv.v[i]
@@ -103,7 +117,7 @@ class ModelRunner:
         useful = cfg.max_num_seqs * self.max_model_len  # more slots than this can never be used
         if cfg.kv_cache_tokens:
             return cfg.kv_cache_tokens
-        per_token = KVCache.bytes_per_token(self.model_cfg.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        per_token = KVCache.bytes_per_token(self.model_cfg.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
         self._memory_note = ""
         if self.device.type == "cpu":
             budget = cfg.cpu_kv_cache_gb * 2**30

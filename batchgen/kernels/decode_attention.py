@@ -27,6 +27,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from batchgen.kernels.store_kv import query_for_kv_dot
+
 
 @triton.jit
 def _decode_split_kernel(
@@ -83,6 +85,7 @@ def _decode_split_kernel(
         mask=group_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )  # [BLOCK_G, BLOCK_D]
+    q = query_for_kv_dot(q, k_cache_ptr.dtype.element_ty)  # K/V are widened to q's dtype
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -94,14 +97,14 @@ def _decode_split_kernel(
         slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)
         kv_offs = slots[:, None] * cache_stride_s + kv_head * cache_stride_h + dims[None, :]
         kv_mask = col_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
         s = tl.where(col_mask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -264,8 +267,8 @@ def decode_attention_ref(
     positions = torch.arange(max_kv_len, device=q.device)
     valid = positions[None, :] < kv_lens[:, None].long()  # [B, L]
     slots = torch.where(valid, req_to_token[req_rows.long(), :max_kv_len].long(), 0)
-    k = k_cache[slots].transpose(1, 2)  # [B, Hk, L, D]
-    v = v_cache[slots].transpose(1, 2)
+    k = k_cache[slots].to(q.dtype).transpose(1, 2)  # [B, Hk, L, D]
+    v = v_cache[slots].to(q.dtype).transpose(1, 2)
     # torch's fused attention accumulates in fp32 for 16-bit inputs
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=group > 1
@@ -293,8 +296,8 @@ def decode_attention_cpu(
     valid = torch.arange(max_kv_len, device=q.device)[None, :] < kv_lens[:, None]  # [B, L]
     slots = req_to_token[:, :max_kv_len].index_select(0, req_rows.long()).long().masked_fill_(~valid, 0)
     shape = (num_seqs, max_kv_len, num_kv_heads, head_dim)
-    k = k_cache.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)  # [B, Hk, L, D]
-    v = v_cache.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)
+    k = k_cache.index_select(0, slots.view(-1)).view(shape).to(q.dtype).transpose(1, 2)  # [B, Hk, L, D]
+    v = v_cache.index_select(0, slots.view(-1)).view(shape).to(q.dtype).transpose(1, 2)
     scores = torch.matmul(q.view(num_seqs, num_kv_heads, group, head_dim), k.transpose(-1, -2))
     scores = scores.float().mul_(scale).masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [B, Hk, G, L]

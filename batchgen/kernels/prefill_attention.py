@@ -23,6 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from batchgen.kernels.store_kv import query_for_kv_dot
+
 
 @triton.jit
 def _attend_keys(
@@ -51,7 +53,7 @@ def _attend_keys(
         slots = tl.load(token_row + cols, mask=col_mask, other=0).to(tl.int64)
         kv_offs = slots[:, None] * cache_stride_s + dims[None, :]
         kv_mask = col_mask[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_head_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_head_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if CAUSAL_MASK:
             s = tl.where((q_pos[:, None] >= cols[None, :]) & col_mask[None, :], s, float("-inf"))
@@ -59,7 +61,7 @@ def _attend_keys(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_head_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_head_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -112,6 +114,7 @@ def _prefill_attention_kernel(
         mask=io_mask,
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    q = query_for_kv_dot(q, k_cache_ptr.dtype.element_ty)  # _attend_keys widens K/V to q's dtype
     q_pos = prefix + rows  # absolute position of each query row
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

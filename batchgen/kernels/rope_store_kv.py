@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.rotary import _rotate_heads, apply_rotary_cpu, apply_rotary_ref
-from batchgen.kernels.store_kv import store_kv_ref
+from batchgen.kernels.store_kv import store_kv_ref, to_cache_dtype
 
 
 @triton.jit
@@ -64,10 +64,11 @@ def _rope_store_kv_kernel(
     k1f = k1.to(tl.float32)
     k2f = k2.to(tl.float32)
     # rounded to k's dtype first, as apply_rotary's output would be
-    tl.store(k_cache_ptr + cache_offs, (k1f * cos - k2f * sin).to(k1.dtype).to(cache_ty), mask=mask)
-    tl.store(k_cache_ptr + cache_offs + half_dim, (k2f * cos + k1f * sin).to(k1.dtype).to(cache_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_offs, v1.to(cache_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_offs + half_dim, v2.to(cache_ty), mask=mask)
+    tl.store(k_cache_ptr + cache_offs, to_cache_dtype((k1f * cos - k2f * sin).to(k1.dtype), cache_ty), mask=mask)
+    tl.store(k_cache_ptr + cache_offs + half_dim, to_cache_dtype((k2f * cos + k1f * sin).to(k1.dtype), cache_ty),
+             mask=mask)
+    tl.store(v_cache_ptr + cache_offs, to_cache_dtype(v1, cache_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offs + half_dim, to_cache_dtype(v2, cache_ty), mask=mask)
 
 
 def rope_store_kv_triton(

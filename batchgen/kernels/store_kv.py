@@ -1,9 +1,42 @@
 """Store the K/V of the step's new tokens into their slots of the token pool:
     k_cache[out_slots[t]] = k[t],  v_cache[out_slots[t]] = v[t]
+
+The pool may hold fp8 (e4m3, `--kv-cache-dtype fp8`) while the model computes in 16 bits: values
+are clamped to fp8's finite range (+-448: float8_e4m3fn has no infinity, and a value past it would
+become NaN) and rounded to nearest, with no scale, as vLLM does without calibrated scales. Readers
+cast K/V back to the query's dtype.
 """
 import torch
 import triton
 import triton.language as tl
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@triton.jit
+def to_cache_dtype(x, cache_ty: tl.constexpr):
+    """x rounded to the pool's dtype; saturating for fp8."""
+    if cache_ty == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(cache_ty)
+
+
+@triton.jit
+def query_for_kv_dot(q, cache_ty: tl.constexpr):
+    """q in the dtype its products with the pool's K/V run in. An fp8 pool under a 16-bit model
+    multiplies in fp16: fp8 widens to fp16 in one instruction (sm_89+) but to bf16 only through
+    fp32, which made fp8 decode attention slower than bf16 (H200, benchmarks/KERNELS.md). A bf16 q
+    is exact in fp16 from 6.1e-5 to 65504 (clamped there: fp16 has no room past it)."""
+    if cache_ty == tl.float8e4nv and q.dtype != tl.float32:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
+
+
+def cast_for_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """The torch form of to_cache_dtype."""
+    if cache_dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(cache_dtype)
 
 
 @triton.jit
@@ -31,9 +64,9 @@ def _store_kv_kernel(
     mask = (heads < num_kv_heads) & (cols < head_dim)
     cache_offs = slot * cache_stride_s + heads * cache_stride_h + cols
     k = tl.load(k_ptr + token * k_stride_t + heads * k_stride_h + cols, mask=mask)
-    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + cache_offs, to_cache_dtype(k, k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + token * v_stride_t + heads * v_stride_h + cols, mask=mask)
-    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, to_cache_dtype(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv_triton(
@@ -62,8 +95,8 @@ def store_kv_triton(
 def store_kv_ref(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out_slots: torch.Tensor
 ) -> None:
-    k_cache[out_slots] = k.to(k_cache.dtype)
-    v_cache[out_slots] = v.to(v_cache.dtype)
+    k_cache[out_slots] = cast_for_cache(k, k_cache.dtype)
+    v_cache[out_slots] = cast_for_cache(v, v_cache.dtype)
 
 
 def store_kv(

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.prefill_attention import _attend_keys
+from batchgen.kernels.store_kv import query_for_kv_dot
 
 
 @triton.jit
@@ -73,6 +74,7 @@ def _attend_query_block(
         mask=io_mask,
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    q = query_for_kv_dot(q, k_head_ptr.dtype.element_ty)  # _attend_keys widens K/V to q's dtype
     prefix = kv_len - q_len  # cached tokens before the first new one
     q_pos = prefix + q_idx  # absolute position of each row's query (padding rows: past the block)
 
