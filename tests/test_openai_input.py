@@ -52,6 +52,7 @@ def test_a_chat_line_maps_to_a_messages_row_with_its_sampling_fields():
         "top_p": 0.9, "seed": 3, "stop": ["\n"], "top_k": 20, "min_tokens": 1, "ignore_eos": False,
         "stop_token_ids": [2], "logprobs": True, "url": CHAT_URL, "model": "smol", ROW_KEY: 0,
         "n": 1,  # n given: it beats the job's --n
+        "response_format": {"type": "text"},  # kept: it opts the line out of a job-wide --response-format
     }
     assert row == expected
 

@@ -207,7 +207,7 @@ class OpenAILineMapper:
 
         row.update(self._logprobs(url, body))
         response_format = body.get("response_format")
-        if response_format is not None and response_format != {"type": "text"}:  # text: the default
+        if response_format is not None:  # {"type": "text"} too: it turns a job-wide --response-format off
             if not isinstance(response_format, dict):
                 raise FieldError(f"body.response_format must be an object, got {type_name(response_format)}")
             row["response_format"] = response_format

@@ -297,6 +297,22 @@ def test_a_rows_text_response_format_opts_out_of_the_jobs_constraint_through_the
     assert re.fullmatch("[0-9]{3}", by_id["job"]["text"]) and by_id["job"]["finish_reason"] == "stop"
 
 
+def test_an_openai_lines_text_response_format_opts_out_of_the_jobs_constraint(llm):
+    """The same through OpenAI batch input (io/openai_input.py): a body's {"type": "text"} is kept."""
+    from batchgen.io.openai_input import COMPLETIONS_URL, OpenAIRowChecker
+    from batchgen.io.rows import InputRow
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, structured_outputs={"regex": "[0-9]{3}"})
+    checker = OpenAIRowChecker(None)
+    lines = [{"custom_id": cid, "method": "POST", "url": COMPLETIONS_URL, "body": {"prompt": "hello", **body}}
+             for cid, body in (("free", {"response_format": {"type": "text"}}), ("job", {}))]
+    requests = [checker.check(InputRow(i, line))[0] for i, line in enumerate(lines)]
+    by_id = {r["id"]: r for r in llm.generate(requests, params)}
+    plain, = llm.generate([{"id": "plain", "prompt": "hello"}], params.replace(structured_outputs=None))
+    assert by_id["free"]["output_token_ids"] == plain["output_token_ids"] and plain["completion_tokens"] == 6
+    assert re.fullmatch("[0-9]{3}", by_id["job"]["text"]) and by_id["job"]["finish_reason"] == "stop"
+
+
 def test_replace_carries_the_checked_constraint_over_and_checks_the_rest():
     params = SamplingParams(structured_outputs={"regex": "[0-9]+"})
     other = params.replace(seed=3, top_k=0, stop=("x",))
