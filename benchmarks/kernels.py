@@ -9,13 +9,16 @@ and a fraction of the device copy bandwidth measured here (a 2 GiB device-to-dev
 read + written). Prefill attention also reports TFLOP/s (4 * D flops per visible (query, key) pair).
 
     PYTHONPATH=. python benchmarks/kernels.py [--sweep] [--budget-s S]
-        [--only decode,prefill,elementwise,unified,rope_store]
+        [--only decode,prefill,elementwise,unified,rope_store,gemm]
 
 One JSON line per measurement; a table last. --sweep also times block-size variants of the
 attention kernels, each checked against the default first (the tuning behind the defaults; see
 benchmarks/KERNELS.md). "unified" times unified attention (one launch for a mixed step) against the
 decode + prefill launches of the same step; "rope_store" the fused rope + KV store against the two
 ops. The issue #11 run: --only unified,rope_store --sweep --budget-s 100 (about 2 minutes).
+"gemm" times the model's products (cuBLAS through F.linear, and cuBLASLt) at decode batch sizes as a
+CUDA graph replays them: 16 distinct weights a replay (as 16 layers: nothing stays in L2), no host
+launch cost (do_bench of one small product measures Python's launch, not the GPU).
 """
 import argparse
 import json
@@ -485,12 +488,56 @@ def print_issue11_table():
               f"{old['ms'] / new['ms']:>8.2f} {padded:>10} {new['bw_frac']:>8.2f} {new.get('tflops', '-'):>8}  {swept}")
 
 
+# ---------------------------------------------------------------- products (cuBLAS)
+
+GEMM_BATCHES = [1, 16, 64, 128, 144, 192, 208, 224, 256]
+
+
+def graph_replay_us(fn, reps=20) -> float:
+    """Microseconds per replay of fn captured in a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1e3
+
+
+def bench_gemm(model, cfg, copy_bw, peak_flops=790e12):
+    """y = x W^T for each weight of a layer (and the LM head) at each decode batch size; the floor is
+    the larger of the weight read at copy bandwidth and the products at peak_flops (H200 bf16, KINDS.md)."""
+    h, inter, d = cfg["hidden"], cfg["inter"], cfg["head_dim"]
+    weights = {"qkv": ((cfg["q_heads"] + 2 * cfg["kv_heads"]) * d, h), "o": (h, cfg["q_heads"] * d),
+               "gate_up": (2 * inter, h), "down": (h, inter), "lm_head": (128256, h)}
+    for name, (n, k) in weights.items():
+        copies = 2 if name == "lm_head" else 16  # (the LM head alone is past L2)
+        ws = [torch.randn(n, k, dtype=DTYPE, device=DEVICE) * 0.02 for _ in range(copies)]
+        for m in GEMM_BATCHES:
+            x = torch.randn(m, k, dtype=DTYPE, device=DEVICE)
+            floor_us = max(n * k * ELEM / copy_bw, 2 * m * n * k / peak_flops) * 1e6
+            for library in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(library)
+                us = graph_replay_us(lambda: [F.linear(x, w) for w in ws]) / copies
+                emit(kind="gemm", model=model, shape=f"{name} M={m}", impl=library, us=round(us, 2),
+                     floor_us=round(floor_us, 2), gbps=round(n * k * ELEM / us / 1e3, 1))
+            torch.backends.cuda.preferred_blas_library("cublas")
+        del ws
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time attention block-size variants")
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop sweeping after this many seconds")
     parser.add_argument("--only", default="",
-                        help="comma-separated subset: elementwise,decode,prefill,unified,rope_store")
+                        help="comma-separated subset: elementwise,decode,prefill,unified,rope_store,gemm")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
@@ -514,6 +561,8 @@ def main():
                 bench_elementwise(model, cfg, copy_bw)
             if "rope_store" in parts:
                 bench_rope_store(model, cfg, copy_bw)
+            if "gemm" in parts:
+                bench_gemm(model, cfg, copy_bw)
     finally:
         print_table()
         print_issue11_table()

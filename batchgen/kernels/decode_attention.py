@@ -166,6 +166,13 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[index]
 
 
+# (BLOCK_N, warps, stages), tuned on an H200 for 16-bit queries (benchmarks/KERNELS.md); fp32 and
+# head_dim > 128 take small tiles that fit anywhere.
+TILE_HEAD_DIM_64 = (128, 4, 2)
+TILE_HEAD_DIM_128 = (64, 4, 3)
+TILE_SMALL = (32, 4, 1)
+
+
 def _pick_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, sms: int) -> int:
     """Fewest splits that give about 2 programs per SM, and no more than max_kv_len has blocks."""
     splits = min(triton.cdiv(2 * sms, num_seqs * num_kv_heads), triton.cdiv(max_kv_len, block_n))
@@ -233,15 +240,11 @@ def decode_attention_triton(
     max_kv_len: int,
     scale: float,
 ) -> torch.Tensor:
-    # Tuned on an H200 for 16-bit caches (benchmarks/KERNELS.md); fp32 and head_dim > 128 take
-    # small tiles that fit anywhere.
     head_dim = q.shape[2]
     if q.dtype == torch.float32 or head_dim > 128:
-        block_n, num_warps, num_stages = 32, 4, 1
-    elif head_dim <= 64:
-        block_n, num_warps, num_stages = 128, 4, 2
+        block_n, num_warps, num_stages = TILE_SMALL
     else:
-        block_n, num_warps, num_stages = 64, 4, 3
+        block_n, num_warps, num_stages = TILE_HEAD_DIM_64 if head_dim <= 64 else TILE_HEAD_DIM_128
     sms = _num_sms(q.device) if q.is_cuda else 4
     num_splits = _pick_num_splits(q.shape[0], k_cache.shape[1], max_kv_len, block_n, sms)
     return _decode_attention_launch(
