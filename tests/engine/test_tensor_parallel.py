@@ -72,6 +72,12 @@ def test_squeezed_settings_match_tp1(kind, tiny_model):
     assert sum(r["num_preemptions"] for r in results) > 0
 
 
+def test_fp8_kv_cache_matches_tp1(tiny_model):
+    """--kv-cache-dtype fp8: each rank rounds its own heads' K/V into its fp8 pool."""
+    results = assert_tp_matches(tiny_model("qwen2"), kv_cache_dtype="fp8", **SQUEEZED)
+    assert sum(r["num_preemptions"] for r in results) > 0
+
+
 def test_prefix_cache_matches_tp1(tiny_model):
     """Rows sharing prefixes of every length, squeezed: the cached prefixes' token-table writes
     reach every rank."""
