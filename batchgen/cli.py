@@ -301,7 +301,7 @@ def _engine_setup(options: dict) -> _EngineSetup:
         "top_p": sampling.top_p, "top_k": sampling.top_k, "stop": sampling.stop, "ignore_eos": sampling.ignore_eos,
         "generation_config": o["generation_config"].value,
         **({"n": o["n"]} if o["n"] != 1 else {}),  # (absent for n=1: the fingerprints of earlier runs hold)
-        **({"kv_cache_dtype": o["kv_cache_dtype"].value} if o["kv_cache_dtype"] != KvCacheDtype.auto else {}),
+        **({"kv_cache_dtype": "fp8"} if o["kv_cache_dtype"] != KvCacheDtype.auto else {}),  # (fp8 = fp8_e4m3)
         **({"structured": list(sampling.structured.key)} if sampling.structured is not None else {}),
     }
     # for the output's metadata and the summary: each default's value and where it came from

@@ -21,7 +21,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     kv_cache_tokens: int | None = None  # KV pool size in tokens; None: from the memory budget
-    kv_cache_dtype: str = "auto"  # fp8: half the KV bytes of bf16 (twice the tokens, faster long decodes), lossy
+    kv_cache_dtype: str = "auto"  # fp8: half the KV bytes of bf16 (twice the tokens in the pool), lossy
     cpu_kv_cache_gb: float = 4.0  # KV pool byte budget on CPU
     cuda_graphs: bool = True  # replay captured graphs for decode-only steps on CUDA
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes computed before (engine/prefix_cache.py)

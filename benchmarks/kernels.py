@@ -30,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from batchgen.kernels.decode_attention import (
     _decode_attention_launch,
@@ -493,24 +493,6 @@ def print_issue11_table():
 GEMM_BATCHES = [1, 16, 64, 128, 144, 192, 208, 224, 256]
 
 
-def graph_replay_us(fn, reps=20) -> float:
-    """Microseconds per replay of fn captured in a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
-
-
 def bench_gemm(model, cfg, copy_bw, peak_flops=790e12):
     """y = x W^T for each weight of a layer (and the LM head) at each decode batch size; the floor is
     the larger of the weight read at copy bandwidth and the products at peak_flops (H200 bf16, KINDS.md)."""
@@ -525,7 +507,7 @@ def bench_gemm(model, cfg, copy_bw, peak_flops=790e12):
             floor_us = max(n * k * ELEM / copy_bw, 2 * m * n * k / peak_flops) * 1e6
             for library in ("cublas", "cublaslt"):
                 torch.backends.cuda.preferred_blas_library(library)
-                us = graph_replay_us(lambda: [F.linear(x, w) for w in ws]) / copies
+                us = 1e3 * do_bench_cudagraph(lambda: [F.linear(x, w) for w in ws], return_mode="median") / copies
                 emit(kind="gemm", model=model, shape=f"{name} M={m}", impl=library, us=round(us, 2),
                      floor_us=round(floor_us, 2), gbps=round(n * k * ELEM / us / 1e3, 1))
             torch.backends.cuda.preferred_blas_library("cublas")

@@ -111,6 +111,9 @@ def test_n_response_format_and_structured_outputs_pass_through():
     assert error(chat(n=0)) == "body.n must be >= 1, got 0"
     assert error(completion(n=2, best_of=3)) == "body.best_of must equal n (batchgen returns every sample)"
     assert error(chat(response_format="json")) == "body.response_format must be an object, got str"
+    # a client's default text format beside vLLM's constraint: the constraint holds
+    both = request(chat(response_format={"type": "text"}, structured_outputs={"regex": "[ab]+"}))
+    assert both["structured_outputs"] == {"regex": "[ab]+"} and "response_format" not in both
 
 
 @pytest.mark.parametrize("line, fragment", [

@@ -207,12 +207,15 @@ class OpenAILineMapper:
 
         row.update(self._logprobs(url, body))
         response_format = body.get("response_format")
+        structured_outputs = body.get("structured_outputs")
+        if response_format == {"type": "text"} and structured_outputs is not None:
+            response_format = None  # a client's default beside vLLM's constraint: the constraint holds
         if response_format is not None:  # {"type": "text"} too: it turns a job-wide --response-format off
             if not isinstance(response_format, dict):
                 raise FieldError(f"body.response_format must be an object, got {type_name(response_format)}")
             row["response_format"] = response_format
-        if body.get("structured_outputs") is not None:  # vLLM's: {"json" | "regex" | "choice" | "grammar": ...}
-            row["structured_outputs"] = body["structured_outputs"]
+        if structured_outputs is not None:  # vLLM's: {"json" | "regex" | "choice" | "grammar": ...}
+            row["structured_outputs"] = structured_outputs
         return row
 
     def _model(self, model: Any) -> str | None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from batchgen import LLM, EngineConfig, SamplingParams
+from batchgen.engine.runner import resolve_kv_dtype
 from tests.engine.test_prefix_caching import generate, shared_prefix_rows
 
 needs_default_model = pytest.mark.skipif(
@@ -19,8 +20,19 @@ def test_a_bad_kv_cache_dtype_names_the_option():
         EngineConfig(kv_cache_dtype="int4")
 
 
+def test_fp8_needs_an_ada_or_hopper_gpu(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"invalid --kv-cache-dtype: fp8 needs .* 8.9 or newer .* this one is 8.0"):
+        resolve_kv_dtype("fp8", torch.bfloat16, cuda)
+    assert resolve_kv_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_kv_dtype("fp8_e4m3", torch.bfloat16, cuda) == torch.float8_e4m3fn
+    assert resolve_kv_dtype("fp8", torch.float32, torch.device("cpu")) == torch.float8_e4m3fn
+
+
 def test_fp8_pool_holds_four_times_the_fp32_tokens(tiny_model):
-    options = dict(dtype="float32", cpu_kv_cache_gb=0.0001, max_num_seqs=4)
+    options = dict(dtype="float32", device="cpu", cpu_kv_cache_gb=0.0001, max_num_seqs=4)
     auto = LLM(str(tiny_model("llama")), **options)
     fp8 = LLM(str(tiny_model("llama")), kv_cache_dtype="fp8", **options)
     assert fp8.engine.kv.k.dtype == torch.float8_e4m3fn and auto.engine.kv.k.dtype == torch.float32
@@ -31,12 +43,15 @@ def test_fp8_pool_holds_four_times_the_fp32_tokens(tiny_model):
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_fp8_pool_under_eviction_and_preemption(kind, tiny_model):
     """A pool too small for the batch (preemption) with the prefix cache evicting: every row
-    finishes, every slot comes back, and the reused prefixes are fp8 too."""
+    finishes, every slot comes back, and reusing cached fp8 prefixes gives the tokens that
+    computing them again into the fp8 pool gives."""
     rows = shared_prefix_rows()
     small = dict(kv_cache_tokens=80, max_num_seqs=4, max_num_batched_tokens=8, kv_cache_dtype="fp8")
     results = generate(tiny_model(kind), rows, True, **small)  # (it checks the slots)
     assert all(r["error"] is None and len(r["output_token_ids"]) == 16 for r in results)
-    assert sum(r["cached_prompt_tokens"] for r in results) > 0
+    assert sum(r["cached_prompt_tokens"] for r in results) > 0 and sum(r["num_preemptions"] for r in results) > 0
+    uncached = generate(tiny_model(kind), rows, False, **small)
+    assert [r["output_token_ids"] for r in results] == [r["output_token_ids"] for r in uncached]
 
 
 @needs_default_model

@@ -1,6 +1,10 @@
 """An fp8 (e4m3) KV pool under a 16/32-bit model (--kv-cache-dtype fp8): the stores round and
 saturate as cast_for_cache does, and every attention kernel reads the pool as its torch reference
-does (both widen the same fp8 values, so the dtype's usual tolerance holds)."""
+does (both widen the same fp8 values, so the dtype's usual tolerance holds).
+
+Under the Triton interpreter (CI) the stores are checked on values that need no rounding, and the
+rotated keys of rope + store not at all: the interpreter itself rounds some values to fp8 wrongly
+(see INTERPRETED). The GPU checks the rounding."""
 import pytest
 import torch
 
@@ -85,11 +89,11 @@ def test_decode_attention_reads_fp8_pool(device, assert_close, dtype):
     batch = _fp8_batch([(1, n) for n in kv_lens], dtype, device)
     args = (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_rows, batch.kv_lens,
             max(kv_lens), 32**-0.5)
-    ref = decode_attention_ref(*args)
-    assert_close(decode_attention_triton(*args), ref)
-    # the same values in a pool of the model's dtype give the same result
+    out = decode_attention_triton(*args)
+    assert_close(out, decode_attention_ref(*args))
+    # the same values in a pool of the model's dtype (products in that dtype, not fp16) agree
     widened = (*args[:1], batch.k_cache.to(dtype), batch.v_cache.to(dtype), *args[3:])
-    assert_close(decode_attention_ref(*widened), ref)
+    assert_close(decode_attention_triton(*widened), out)
 
 
 @pytest.mark.interpreter_bf16
