@@ -60,8 +60,8 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) 
     """The KV pool's dtype: the model's, or fp8 e4m3 (kernels/store_kv.py says how values go in)."""
     if name == "auto":
         return model_dtype
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
+    major, minor = torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
+    if (major, minor) < (8, 9):  # (the CPU converts in software)
         raise ValueError(
             f"invalid --kv-cache-dtype: {name} needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
             f"this one is {major}.{minor}; use --kv-cache-dtype auto"
@@ -307,9 +307,10 @@ class ModelRunner:
         num_sampled = len(samplers)
         outputs = []  # fp32 values read back: sampled tokens' logprobs, then prompt logprobs
         tokens = top = None
-        wanting = [i for i, s in enumerate(samplers) if s.logprobs is not None]
+        wanting = []
         if samplers:
             lp_rows, lp = self._logprob_rows(logits, samplers)  # (before the mask changes the logits)
+            wanting = [i for i in lp_rows if samplers[i].logprobs is not None]
             if wanting:
                 wanted_lp = self._lp_of(lp_rows, lp, wanting)
             top = self._top_logprobs(lp_rows, lp, samplers)
@@ -319,7 +320,7 @@ class ModelRunner:
             tokens = sample(logits[:num_sampled], self.sampling_batch(samplers))
             self.tp.broadcast(tokens)  # the other ranks' next step may take input tokens from them
             if wanting:
-                wanted_tokens = tokens[self._tensor(wanting, torch.int64)]
+                wanted_tokens = tokens if len(wanting) == len(samplers) else tokens[self._tensor(wanting, torch.int64)]
                 outputs.append(wanted_lp.gather(1, wanted_tokens[:, None]).squeeze(1))
         if scored:
             targets = self._tensor([t for _, _, ids in scored for t in ids], torch.int64)
@@ -337,7 +338,9 @@ class ModelRunner:
         rows = [i for i, s in enumerate(samplers) if s.logprobs is not None or s.num_top_logprobs > 0]
         if not rows:
             return rows, None
-        return rows, torch.log_softmax(logits[self._tensor(rows, torch.int64)], dim=-1)
+        # every sampler asking (an OpenAI job with logprobs): no [S, V] gather
+        picked = logits[: len(samplers)] if len(rows) == len(samplers) else logits[self._tensor(rows, torch.int64)]
+        return rows, torch.log_softmax(picked, dim=-1)
 
     def _lp_of(self, lp_rows: list[int], lp: torch.Tensor, indices: list[int]) -> torch.Tensor:
         """The rows of lp (taken for the samplers lp_rows) of the samplers `indices`, a subsequence."""

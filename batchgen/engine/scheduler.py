@@ -117,14 +117,14 @@ class Scheduler:
                 decodes.append(seq)
             elif left > 1:
                 partial.append(seq)
-        if len(decodes) <= kv.num_available:  # (alloc evicts cached slots it needs, in one call)
-            self._take_decodes(batch, decodes)
-        else:  # the pool runs dry: one at a time, preempting the newest as needed
-            for seq in decodes:
-                while not kv.free_slots and kv.num_available == 0 and seq.status is Status.RUNNING:
-                    self.preempt(self.running[-1])
-                if seq.status is Status.RUNNING:
-                    take(seq, 1)
+        # The pool runs dry: preempt the newest until the decodes left fit (decodes are in running
+        # order, so a decode preempted is the last one). alloc evicts the cached slots it needs.
+        while len(decodes) > kv.num_available:
+            victim = self.running[-1]
+            self.preempt(victim)
+            if decodes and decodes[-1] is victim:
+                decodes.pop()
+        self._take_decodes(batch, decodes)
         batch.num_decode = len(batch.seqs)
         budget -= batch.num_decode
 

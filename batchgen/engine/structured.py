@@ -189,10 +189,10 @@ class StructuredDecoding:
         self._fill_bitmasks(matchers, bitmask)
         words = bitmask.numpy().view(np.uint32)  # (the same memory)
         words[:, -1] &= self._last_word  # xgrammar leaves the last word's bits past its vocabulary set
-        # one pass over [C, W] instead of a call per row: rows that allow no token but a stop token
-        only_stop = ~(words & self._stop_words).any(axis=1)
-        for c in np.flatnonzero(only_stop).tolist():
-            if matchers[c].is_completed():  # complete, and only a stop token may follow: done now
+        for c, matcher in enumerate(matchers):
+            # complete, and only a stop token may follow: done now. (is_completed first: scanning
+            # every row's [W] words cost 0.6 ms a step at 256 rows of a 128k vocabulary)
+            if matcher.is_completed() and not (words[c] & self._stop_words).any():
                 ended.append(samplers[indices[c]])
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1

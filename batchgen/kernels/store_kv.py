@@ -4,7 +4,7 @@
 The pool may hold fp8 (e4m3, `--kv-cache-dtype fp8`) while the model computes in 16 bits: values
 are clamped to fp8's finite range (+-448: float8_e4m3fn has no infinity, and a value past it would
 become NaN) and rounded to nearest, with no scale, as vLLM does without calibrated scales. Readers
-cast K/V back to the query's dtype.
+widen K/V to the dtype their products run in (query_for_kv_dot).
 """
 import torch
 import triton

@@ -47,12 +47,15 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
         return logits[:, : self.vocab_size].float()
 
     def _fp32_product(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """fp32 logits straight from the product: a bf16 [S, V] result and its conversion cost
-        ~90 us a step at 256 rows of a 128k vocabulary (H200); None where torch cannot."""
+        """fp32 logits straight from the product: a bf16 [S, V] result and its conversion cost ~75 us
+        a step net at 256 rows of a 128k vocabulary (H200, benchmarks/KERNELS.md); None where torch
+        cannot."""
         if self.fp32_product is False:
             return None
         try:
             logits = torch.mm(hidden, self.weight.t(), out_dtype=torch.float32)
+        except torch.cuda.OutOfMemoryError:  # a real failure, not a missing feature
+            raise
         except (TypeError, RuntimeError, NotImplementedError):
             ParallelLMHead.fp32_product = False
             return None
