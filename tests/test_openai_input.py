@@ -11,18 +11,19 @@ from batchgen.io.openai_input import (
 )
 from batchgen.io.rows import ROW_KEY, InputRow
 from batchgen.io.sources import open_source
+from tests.openai_types import line
 
 SERVED = ["SmolLM2-135M-Instruct", "smol"]
 
 
 def chat(custom_id="c", **body) -> dict:
     body.setdefault("messages", [{"role": "user", "content": "Hi"}])
-    return {"custom_id": custom_id, "method": "POST", "url": CHAT_URL, "body": body}
+    return line(custom_id, CHAT_URL, **body)
 
 
 def completion(custom_id="p", **body) -> dict:
     body.setdefault("prompt", "Once upon a time")
-    return {"custom_id": custom_id, "method": "POST", "url": COMPLETIONS_URL, "body": body}
+    return line(custom_id, COMPLETIONS_URL, **body)
 
 
 def check(*lines, served=SERVED) -> list[tuple[dict | None, dict | None]]:
@@ -90,8 +91,8 @@ def test_logprobs_map_from_both_endpoints_shapes():
     """Chat: logprobs (bool) + top_logprobs (k); completions: logprobs (k). Both -> logprobs: true and,
     for k > 0, top_logprobs: k."""
     cases = [(chat(logprobs=True, top_logprobs=3), 3), (completion(logprobs=2), 2)]
-    for line, k in cases:
-        row = request(line)
+    for given, k in cases:
+        row = request(given)
         assert row["logprobs"] is True and row["top_logprobs"] == k
     assert request(chat(logprobs=True, top_logprobs=0))["logprobs"] is True
     assert "logprobs" not in request(chat(logprobs=False))
@@ -102,12 +103,12 @@ def test_logprobs_map_from_both_endpoints_shapes():
 
 
 def test_n_response_format_and_structured_outputs_pass_through():
-    for line, field, value in [(chat(n=3), "n", 3), (completion(n=2, best_of=2), "n", 2),
-                               (chat(response_format={"type": "json_object"}), "response_format",
-                                {"type": "json_object"}),
-                               (completion(structured_outputs={"regex": "[ab]+"}), "structured_outputs",
-                                {"regex": "[ab]+"})]:
-        assert request(line)[field] == value
+    for given, field, value in [(chat(n=3), "n", 3), (completion(n=2, best_of=2), "n", 2),
+                                (chat(response_format={"type": "json_object"}), "response_format",
+                                 {"type": "json_object"}),
+                                (completion(structured_outputs={"regex": "[ab]+"}), "structured_outputs",
+                                 {"regex": "[ab]+"})]:
+        assert request(given)[field] == value
     assert error(chat(n=0)) == "body.n must be >= 1, got 0"
     assert error(completion(n=2, best_of=3)) == "body.best_of must equal n (batchgen returns every sample)"
     assert error(chat(response_format="json")) == "body.response_format must be an object, got str"

@@ -22,6 +22,7 @@ and mtime: a sidecar that does not match OUTPUT (a crash between the two) counts
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from contextlib import nullcontext
@@ -50,8 +51,9 @@ TokenText = Callable[[int], str]
 
 
 def token_text_of(tokenizer) -> TokenText:
-    """A token id -> its own text, for the `token` of OpenAI logprobs (special tokens spelled out)."""
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+    """A token id -> its own text, for the `token` of OpenAI logprobs (special tokens spelled out);
+    each id decoded once (a job spells the same few thousand ids millions of times)."""
+    return functools.cache(lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
 
 
 # --- response objects ---------------------------------------------------------------------------

@@ -349,14 +349,19 @@ def prefix_cache_totals(totals: Totals) -> dict:
     return {"cached_prompt_tokens": totals.cached_prompt_tokens, "prefix_cache_hit_rate": round(rate, 4)}
 
 
-def read_row_keys(part: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A part's (input row index, sample_index, is an error row) per output row."""
+def _read_keys(part: Path, extra: tuple[str, ...] = ()) -> tuple[np.ndarray, np.ndarray, pa.Table]:
+    """A part's (input row index, sample_index) per output row, and the table read (with `extra`)."""
     names = pq.read_schema(part).names
-    columns = [ROW_KEY, "finish_reason"] + (["sample_index"] if "sample_index" in names else [])
-    table = pq.read_table(part, columns=columns)
+    table = pq.read_table(part, columns=[ROW_KEY, *extra] + (["sample_index"] if "sample_index" in names else []))
     indices = table.column(ROW_KEY).to_numpy()
     samples = (table.column("sample_index").fill_null(0).to_numpy().clip(0, MAX_N - 1) if "sample_index" in names
                else np.zeros(len(indices), dtype=np.int64))
+    return indices, samples, table
+
+
+def read_row_keys(part: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A part's (input row index, sample_index, is an error row) per output row."""
+    indices, samples, table = _read_keys(part, ("finish_reason",))
     errors = pc.equal(table.column("finish_reason"), "error").fill_null(False).to_numpy(zero_copy_only=False)
     return indices, samples, errors
 
@@ -373,7 +378,7 @@ def first_copies(parts: list[Path], should_stop=lambda: False) -> tuple[list[np.
     for part in parts:
         if should_stop():
             raise KeyboardInterrupt
-        indices, samples, _ = read_row_keys(part)
+        indices, samples, _ = _read_keys(part)
         rows.append(indices)
         keys.append(indices.astype(np.int64) * MAX_N + samples)  # one int64 per (row, sample)
     every = np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)
