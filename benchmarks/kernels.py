@@ -220,13 +220,7 @@ def bench_decode(model, cfg, copy_bw, sweep, budget_s):
     scale = d**-0.5
     for batch, kv_len in DECODE_SHAPES:
         shape = f"decode B={batch} L={kv_len}"
-        kv_lens = [kv_len] * batch
-        num_slots, table = token_table(kv_lens)
-        k_cache = torch.randn(num_slots, hk, d, dtype=DTYPE, device=DEVICE)
-        v_cache = torch.randn_like(k_cache)
-        q = torch.randn(batch, hq, d, dtype=DTYPE, device=DEVICE)
-        rows = torch.arange(batch, dtype=torch.int32, device=DEVICE)
-        lens = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+        q, k_cache, v_cache, table, rows, _, _, lens = attention_inputs(cfg, [(1, kv_len)] * batch)
         args = (q, k_cache, v_cache, table, rows, lens, kv_len, scale)
         nbytes = (2 * batch * kv_len * hk * d + 2 * batch * hq * d) * ELEM + batch * kv_len * 4
         torch.testing.assert_close(decode_attention_triton(*args), decode_attention_ref(*args),
@@ -491,27 +485,30 @@ def print_issue11_table():
 # ---------------------------------------------------------------- products (cuBLAS)
 
 GEMM_BATCHES = [1, 16, 64, 128, 144, 192, 208, 224, 256]
+PEAK_BF16_FLOPS = 790e12  # an H200's bf16 product on random data (the device tool's KINDS.md)
 
 
-def bench_gemm(model, cfg, copy_bw, peak_flops=790e12):
+def bench_gemm(model, cfg, copy_bw):
     """y = x W^T for each weight of a layer (and the LM head) at each decode batch size; the floor is
-    the larger of the weight read at copy bandwidth and the products at peak_flops (H200 bf16, KINDS.md)."""
+    the larger of the weight read at copy bandwidth and the products at PEAK_BF16_FLOPS."""
     h, inter, d = cfg["hidden"], cfg["inter"], cfg["head_dim"]
     weights = {"qkv": ((cfg["q_heads"] + 2 * cfg["kv_heads"]) * d, h), "o": (h, cfg["q_heads"] * d),
                "gate_up": (2 * inter, h), "down": (h, inter), "lm_head": (128256, h)}
-    for name, (n, k) in weights.items():
-        copies = 2 if name == "lm_head" else 16  # (the LM head alone is past L2)
-        ws = [torch.randn(n, k, dtype=DTYPE, device=DEVICE) * 0.02 for _ in range(copies)]
-        for m in GEMM_BATCHES:
-            x = torch.randn(m, k, dtype=DTYPE, device=DEVICE)
-            floor_us = max(n * k * ELEM / copy_bw, 2 * m * n * k / peak_flops) * 1e6
-            for library in ("cublas", "cublaslt"):
-                torch.backends.cuda.preferred_blas_library(library)
-                us = 1e3 * do_bench_cudagraph(lambda: [F.linear(x, w) for w in ws], return_mode="median") / copies
-                emit(kind="gemm", model=model, shape=f"{name} M={m}", impl=library, us=round(us, 2),
-                     floor_us=round(floor_us, 2), gbps=round(n * k * ELEM / us / 1e3, 1))
-            torch.backends.cuda.preferred_blas_library("cublas")
-        del ws
+    try:
+        for name, (n, k) in weights.items():
+            copies = 2 if name == "lm_head" else 16  # (the LM head alone is past L2)
+            ws = [torch.randn(n, k, dtype=DTYPE, device=DEVICE) * 0.02 for _ in range(copies)]
+            for m in GEMM_BATCHES:
+                x = torch.randn(m, k, dtype=DTYPE, device=DEVICE)
+                floor_us = max(n * k * ELEM / copy_bw, 2 * m * n * k / PEAK_BF16_FLOPS) * 1e6
+                for library in ("cublas", "cublaslt"):
+                    torch.backends.cuda.preferred_blas_library(library)
+                    us = 1e3 * do_bench_cudagraph(lambda: [F.linear(x, w) for w in ws], return_mode="median") / copies
+                    emit(kind="gemm", model=model, shape=f"{name} M={m}", impl=library, us=round(us, 2),
+                         floor_us=round(floor_us, 2), gbps=round(n * k * ELEM / us / 1e3, 1))
+            del ws
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
 
 
 def main():

@@ -384,11 +384,11 @@ def main(argv=None):
                              "token_ids_wall_s": round(by_ids["wall_s"], 2),
                              "messages_vs_token_ids": round(ours["tok_s"] / by_ids["tok_s"], 3)})
                 requests = ids  # what HF generate() gets, and the variants below
-                same_rows = by_ids  # what the variants are compared with
+                same_rows, variant_dir = by_ids, chat_dir  # what the variants are compared with
             else:
                 ours = run_batchgen(model_dir, {workload: requests}, args.temperature, args.tensor_parallel_size,
                                     args.repeats or 1, args.warm_up)[workload]
-                same_rows = ours
+                same_rows, variant_dir = ours, model_dir
             line.update({"batchgen_tok_s": round(ours["tok_s"], 1), "batchgen_wall_s": round(ours["wall_s"], 2),
                          "batchgen_ttft_p50_s": round(ours["ttft_p50_s"], 3), "gpu_busy_pct": ours["gpu_busy_pct"],
                          "runs_tok_s": ours["runs_tok_s"], "runs_gc_s": ours["runs_gc_s"],
@@ -397,7 +397,7 @@ def main(argv=None):
             repeats = args.repeats or 1
 
             def other(variant: list[dict], **options) -> dict:
-                return run_batchgen(model_dir, {workload: variant}, args.temperature, args.tensor_parallel_size,
+                return run_batchgen(variant_dir, {workload: variant}, args.temperature, args.tensor_parallel_size,
                                     repeats, args.warm_up, **options)[workload]
 
             if workload == "W-prefix" or args.compare_cache_off:
