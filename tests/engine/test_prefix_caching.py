@@ -45,19 +45,21 @@ SETTINGS = {
     "roomy": dict(max_num_seqs=16),
     "small": dict(kv_cache_tokens=80, max_num_seqs=4, max_num_batched_tokens=8),
 }
+SETTINGS["small_fp8"] = {**SETTINGS["small"], "kv_cache_dtype": "fp8"}  # cached prefixes in an fp8 pool
 
 
 @pytest.mark.parametrize("kind,setting", [("llama", "roomy"), ("llama", "small"), ("qwen2", "small"),
-                                          ("qwen3", "small")])
+                                          ("qwen3", "small"), ("llama", "small_fp8"), ("qwen3", "small_fp8")])
 def test_greedy_outputs_are_the_same_with_the_cache_on_and_off(kind, setting, tiny_model):
     rows = shared_prefix_rows()
     on = generate(tiny_model(kind), rows, True, **SETTINGS[setting])
     off = generate(tiny_model(kind), rows, False, **SETTINGS[setting])
     assert [r["output_token_ids"] for r in on] == [r["output_token_ids"] for r in off]
+    assert all(r["error"] is None for r in on)
     assert all(r["cached_prompt_tokens"] == 0 for r in off)
     assert all(0 <= r["cached_prompt_tokens"] < r["prompt_tokens"] for r in on)
     assert sum(r["cached_prompt_tokens"] for r in on) >= 39 + 20  # the repeated prompt, the 20-token prefix
-    if setting == "small":
+    if setting.startswith("small"):
         assert sum(r["num_preemptions"] for r in on) > 0
 
 

@@ -282,31 +282,31 @@ def test_the_compile_cache_keeps_the_most_recently_used_specs(llm, monkeypatch):
     assert first.result() is not None
 
 
-def test_a_rows_text_response_format_opts_out_of_the_jobs_constraint_through_the_row_checks(llm):
-    """`batchgen run`'s path: the file's rows go through the row checks (io/rows.py), then to the
-    engine. A row's {"type": "text"} survives them and turns the job's constraint off for that row."""
+def _checked_rows(free: dict) -> list[dict]:
+    """`batchgen run`'s path: the file's rows through the row checks (io/rows.py): row "free" with
+    `free`'s fields, row "job" without."""
     from batchgen.io.rows import InputRow, RowChecker
 
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, structured_outputs={"regex": "[0-9]{3}"})
-    checker = RowChecker()
-    rows = [{"id": "free", "prompt": "hello", "response_format": {"type": "text"}}, {"id": "job", "prompt": "hello"}]
-    requests = [checker.check(InputRow(i, row))[0] for i, row in enumerate(rows)]
-    by_id = {r["id"]: r for r in llm.generate(requests, params)}
-    plain, = llm.generate([{"id": "plain", "prompt": "hello"}], params.replace(structured_outputs=None))
-    assert by_id["free"]["output_token_ids"] == plain["output_token_ids"] and plain["completion_tokens"] == 6
-    assert re.fullmatch("[0-9]{3}", by_id["job"]["text"]) and by_id["job"]["finish_reason"] == "stop"
+    rows = [{"id": "free", "prompt": "hello", **free}, {"id": "job", "prompt": "hello"}]
+    return [RowChecker().check(InputRow(i, row))[0] for i, row in enumerate(rows)]
 
 
-def test_an_openai_lines_text_response_format_opts_out_of_the_jobs_constraint(llm):
-    """The same through OpenAI batch input (io/openai_input.py): a body's {"type": "text"} is kept."""
+def _checked_openai_lines(free: dict) -> list[dict]:
+    """The same through OpenAI batch input (io/openai_input.py)."""
     from batchgen.io.openai_input import COMPLETIONS_URL, OpenAIRowChecker
     from batchgen.io.rows import InputRow
+    from tests.openai_types import line
 
+    lines = [line("free", COMPLETIONS_URL, prompt="hello", **free), line("job", COMPLETIONS_URL, prompt="hello")]
+    return [OpenAIRowChecker(None).check(InputRow(i, x))[0] for i, x in enumerate(lines)]
+
+
+@pytest.mark.parametrize("checked", [_checked_rows, _checked_openai_lines])
+def test_a_text_response_format_opts_out_of_the_jobs_constraint_through_the_row_checks(llm, checked):
+    """A row's (or line's) {"type": "text"} survives the checks and turns the job's constraint off
+    for that row."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, structured_outputs={"regex": "[0-9]{3}"})
-    checker = OpenAIRowChecker(None)
-    lines = [{"custom_id": cid, "method": "POST", "url": COMPLETIONS_URL, "body": {"prompt": "hello", **body}}
-             for cid, body in (("free", {"response_format": {"type": "text"}}), ("job", {}))]
-    requests = [checker.check(InputRow(i, line))[0] for i, line in enumerate(lines)]
+    requests = checked({"response_format": {"type": "text"}})
     by_id = {r["id"]: r for r in llm.generate(requests, params)}
     plain, = llm.generate([{"id": "plain", "prompt": "hello"}], params.replace(structured_outputs=None))
     assert by_id["free"]["output_token_ids"] == plain["output_token_ids"] and plain["completion_tokens"] == 6

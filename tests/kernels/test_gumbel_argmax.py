@@ -58,7 +58,7 @@ def test_noise_depends_on_seed_and_step_only(device):
 def test_the_token_does_not_depend_on_the_number_of_parts(device, parts):
     """Ties across a part boundary included: the first best token wins, as with one part."""
     logits, temperatures, seeds, steps = inputs(6, 4099, device, seed=3)
-    logits[:, 2047] = logits[:, 3072] = logits[:, 4000] = 50.0  # a tie in parts 2, 3 and 4 of 1,024
+    logits[:, 2047] = logits[:, 3072] = logits[:, 4000] = 50.0  # a tie across a part boundary
     temperatures[:2] = 0.0
     one = gumbel_argmax_triton(logits, temperatures, seeds, steps, parts=1)
     assert torch.equal(gumbel_argmax_triton(logits, temperatures, seeds, steps, parts=parts), one)

@@ -4,7 +4,7 @@ import torch
 from batchgen.kernels.rope_store_kv import rope_store_kv, rope_store_kv_ref, rope_store_kv_triton
 from batchgen.kernels.rotary import apply_rotary_triton
 from batchgen.kernels.store_kv import store_kv_triton
-from batchgen.layers.rotary import RotaryEmbedding
+from tests.kernels.test_rotary import _cos_sin_cache
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (tokens, q heads, kv heads, head_dim, slots): one token, primes, head_dim/2 not a power of 2 (20,
@@ -13,11 +13,6 @@ SHAPES = [(1, 1, 1, 8, 3), (7, 4, 2, 20, 50), (13, 6, 3, 64, 13), (5, 3, 3, 16, 
     pytest.param(*s, marks=pytest.mark.gpu)
     for s in [(257, 32, 8, 64, 4096), (8191, 32, 8, 128, 10007), (5, 14, 2, 80, 77), (31, 14, 2, 64, 31)]
 ]
-
-
-def _cos_sin_cache(max_pos, head_dim, device):
-    """The model's [P, D] table (theta 10000, no scaling)."""
-    return RotaryEmbedding(head_dim, max_pos, 10000.0, {}).cos_sin_cache.to(device)
 
 
 def _inputs(tokens, q_heads, kv_heads, head_dim, num_slots, dtype, device, seed=0, fused=True):
