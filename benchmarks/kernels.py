@@ -16,7 +16,8 @@ attention kernels, each checked against the default first (the tuning behind the
 benchmarks/KERNELS.md). "unified" times unified attention (one launch for a mixed step) against the
 decode + prefill launches of the same step; "rope_store" the fused rope + KV store against the two
 ops. The issue #11 run: --only unified,rope_store --sweep --budget-s 100 (about 2 minutes).
-"gemm" times the model's products (cuBLAS through F.linear, and cuBLASLt) at decode batch sizes as a
+"gemm" times the model's products (cuBLAS through F.linear, cuBLASLt, and at one row the skinny kernel
+with and without its SiLU-and-mul) at decode batch sizes as a
 CUDA graph replays them: 16 distinct weights a replay (as 16 layers: nothing stays in L2), no host
 launch cost (do_bench of one small product measures Python's launch, not the GPU).
 """
@@ -49,6 +50,7 @@ from batchgen.kernels.unified_attention import _unified_attention_launch, unifie
 from batchgen.kernels.rmsnorm import add_rmsnorm_ref, add_rmsnorm_triton, rmsnorm_ref, rmsnorm_triton
 from batchgen.kernels.rotary import apply_rotary_ref, apply_rotary_triton
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+from batchgen.kernels.skinny_gemm import skinny_gemm_triton
 from batchgen.kernels.store_kv import store_kv_ref, store_kv_triton
 
 MODELS = {
@@ -501,11 +503,20 @@ def bench_gemm(model, cfg, copy_bw):
             for m in GEMM_BATCHES:
                 x = torch.randn(m, k, dtype=DTYPE, device=DEVICE)
                 floor_us = max(n * k * ELEM / copy_bw, 2 * m * n * k / PEAK_BF16_FLOPS) * 1e6
-                for library in ("cublas", "cublaslt"):
+                impls = {library: (library, lambda: [F.linear(x, w) for w in ws]) for library in ("cublas", "cublaslt")}
+                if m == 1:  # what the engine runs for one row (layers/packed_linear.py)
+                    impls["skinny"] = ("cublas", lambda: [skinny_gemm_triton(x, w) for w in ws])
+                for impl, (library, fn) in impls.items():
                     torch.backends.cuda.preferred_blas_library(library)
-                    us = 1e3 * do_bench_cudagraph(lambda: [F.linear(x, w) for w in ws], return_mode="median") / copies
-                    emit(kind="gemm", model=model, shape=f"{name} M={m}", impl=library, us=round(us, 2),
+                    us = 1e3 * do_bench_cudagraph(fn, return_mode="median") / copies
+                    emit(kind="gemm", model=model, shape=f"{name} M={m}", impl=impl, us=round(us, 2),
                          floor_us=round(floor_us, 2), gbps=round(n * k * ELEM / us / 1e3, 1))
+            if name == "down":  # one row: SiLU-and-mul + cuBLAS, against the skinny product that applies it
+                gate_up = torch.randn(1, 2 * k, dtype=DTYPE, device=DEVICE)
+                for impl, fn in (("silu+cublas", lambda: [F.linear(silu_and_mul_triton(gate_up), w) for w in ws]),
+                                 ("skinny_silu", lambda: [skinny_gemm_triton(gate_up, w, silu_mul=True) for w in ws])):
+                    us = 1e3 * do_bench_cudagraph(fn, return_mode="median") / copies
+                    emit(kind="gemm", model=model, shape="down+silu M=1", impl=impl, us=round(us, 2))
             del ws
     finally:
         torch.backends.cuda.preferred_blas_library("cublas")

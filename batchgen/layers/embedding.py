@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.forward.parallel import SINGLE, TensorParallel
-from batchgen.layers.packed_linear import PackableWeight
+from batchgen.kernels.skinny_gemm import skinny_gemm
+from batchgen.layers.packed_linear import PackableWeight, streams_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,6 +41,8 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] (only the tokens that sample) -> logits [S, vocab] in fp32."""
         if self.tp.size == 1 and hidden.is_cuda and hidden.dtype != torch.float32:
+            if streams_weight(hidden):  # one row: 117 vs 125 us for llama-3.2-1b's head on an H200
+                return skinny_gemm(hidden, self.weight, out_dtype=torch.float32)[:, : self.vocab_size]
             logits = self._fp32_product(hidden)
             if logits is not None:
                 return logits[:, : self.vocab_size]

@@ -98,6 +98,7 @@ class RowParallelLinear(PackableWeight, nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         _copy(param, loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.matmul(x))
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """silu_mul: x is a gate/up pair, the product takes silu(gate) * up (an MLP's down projection)."""
+        y = self.tp.all_reduce(self.matmul(x, silu_mul=silu_mul))
         return y if self.bias is None else y + self.bias

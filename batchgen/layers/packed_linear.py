@@ -8,6 +8,12 @@ a 2-core AVX512-BF16 EPYC; the 49152-row LM head 1.4x in bf16), with bit-identic
 torch reaches this packing through the ops its compiler uses for frozen CPU graphs
 (mkldnn._reorder_linear_weight, mkldnn._linear_pointwise). Where those are missing, or do not give
 F.linear's result on a probe, the layers keep F.linear.
+
+PackableWeight.matmul is every layer's product: packed on CPU, F.linear elsewhere, except one row of
+16-bit activations on a GPU (the decode of a single sequence) with a weight of at most 2^24 elements,
+which the skinny kernel streams (kernels/skinny_gemm.py: 9-20% under cuBLAS's batch-1 products on
+llama-3.2-1b's qkv, o and down in CUDA graphs on an H200, and the down projection takes silu(gate) * up
+as it reads, one kernel less).
 """
 from __future__ import annotations
 
@@ -15,6 +21,9 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from batchgen.kernels import silu_and_mul
+from batchgen.kernels.skinny_gemm import skinny_gemm
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -44,6 +53,17 @@ def can_pack(dtype: torch.dtype) -> bool:
     return got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+# Layer weights up to this size go to the skinny kernel at one row; cuBLAS was as fast or faster on
+# larger ones (llama-3.2-1b's gate/up, llama-3.1-8b's qkv, gate/up and down; H200, KERNELS.md). LM
+# heads, far larger, stream faster again (ParallelLMHead asks streams_weight alone).
+SKINNY_MAX_WEIGHT = 1 << 24
+
+
+def streams_weight(x: torch.Tensor) -> bool:
+    """Whether a product with x [T, in] goes to the skinny kernel: one row, 16-bit, on a GPU."""
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of a CPU weight [out, in], or None where packing is not available."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not can_pack(weight.dtype):
@@ -63,7 +83,13 @@ class PackableWeight:
         if self.packed is not None and not keep_plain:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # only the packed copy is read now
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+        """x [T, in] @ weight^T (+ bias); silu_mul: x is a gate/up pair [T, 2 in] and the product takes
+        silu(gate) * up."""
+        if streams_weight(x) and self.weight.numel() <= SKINNY_MAX_WEIGHT:
+            return skinny_gemm(x, self.weight, bias, silu_mul)
+        if silu_mul:
+            x = silu_and_mul(x)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)

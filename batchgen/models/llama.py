@@ -11,7 +11,6 @@ from torch import nn
 
 from batchgen.forward.batch import ForwardBatch
 from batchgen.forward.parallel import SINGLE, TensorParallel
-from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.attention import Attention
 from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from batchgen.layers.layernorm import RMSNorm
@@ -55,10 +54,9 @@ class LlamaMLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), silu_mul=True)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -293,6 +293,7 @@ def _checked_rows(free: dict) -> list[dict]:
 
 def _checked_openai_lines(free: dict) -> list[dict]:
     """The same through OpenAI batch input (io/openai_input.py)."""
+    pytest.importorskip("openai")  # tests.openai_types checks lines with its types (not on the GPU image)
     from batchgen.io.openai_input import COMPLETIONS_URL, OpenAIRowChecker
     from batchgen.io.rows import InputRow
     from tests.openai_types import line

@@ -76,20 +76,26 @@ def test_matches_hf_on_gpu(name, tmp_path):
     torch.cuda.empty_cache()
 
     llm = LLM(str(tmp_path), dtype="bfloat16", max_num_batched_tokens=512, gpu_memory_utilization=0.5)
-    greedy = llm.generate_list([{"prompt_token_ids": p} for p in prompts],
-                               SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    greedy = llm.generate_list([{"prompt_token_ids": p} for p in prompts], params)
+    # one sequence alone decodes one row a step: the skinny products and the decode graph of size 1
+    alone = llm.generate_list([{"prompt_token_ids": prompts[1]}], params)[0]
     scored = llm.generate_list([{"prompt_token_ids": ref[2], "prompt_logprobs": True} for ref in references],
                                SamplingParams(temperature=0, max_tokens=1))
     del llm
     torch.cuda.empty_cache()
     report = {"model": name, "gpu": torch.cuda.get_device_name(), "prompts": PROMPT_LENGTHS, "equal_prefix": []}
-    vs_hf, ours_vs_fp32, hf_vs_fp32 = [], [], []
-    for result, (tokens, margins, full, hf_bf16), s, ref32 in zip(greedy, references, scored, fp32):
-        ours = result["output_token_ids"]
+
+    def equal_prefix(ours, tokens, margins):
         equal = next((i for i, (a, b) in enumerate(zip(ours, tokens)) if a != b), len(tokens))
-        report["equal_prefix"].append(equal)
         if equal < len(tokens):
             assert min(margins[: equal + 1]) < NEAR_TIE, f"diverged at {equal} without a near-tie: {margins}"
+        return equal
+
+    report["equal_prefix_alone"] = equal_prefix(alone["output_token_ids"], *references[1][:2])
+    vs_hf, ours_vs_fp32, hf_vs_fp32 = [], [], []
+    for result, (tokens, margins, full, hf_bf16), s, ref32 in zip(greedy, references, scored, fp32):
+        report["equal_prefix"].append(equal_prefix(result["output_token_ids"], tokens, margins))
         ours_lp = torch.tensor(s["prompt_logprobs"])
         vs_hf.append((ours_lp - hf_bf16).abs())
         ours_vs_fp32.append((ours_lp - ref32).abs())

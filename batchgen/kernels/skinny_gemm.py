@@ -1,0 +1,139 @@
+"""Products with few rows (decode of one sequence): y = x @ W^T (+ b), x [M, K] with M <= 8, W [N, K].
+
+Such a product is a stream of W through the GPU: each program reads BLOCK_N rows of W once, in
+BLOCK_K-wide chunks along K, and keeps every x row's partial sums in fp32, so W's bytes are all the
+traffic that counts. SILU_MUL takes x as a gate/up pair [M, 2K] and multiplies by silu(gate) * up on
+the fly (the down projection of an MLP, without the SiLU-and-mul kernel before it).
+
+    y[m, n] = sum_k x[m, k] * W[n, k]                   (plain)
+    y[m, n] = sum_k silu(g[m, k]) * u[m, k] * W[n, k]   (SILU_MUL, g = x[:, :K], u = x[:, K:])
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 8
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr,  # [M, K], or [M, 2K] gate/up when SILU_MUL
+    x_stride_m,
+    w_ptr,  # [N, K], rows contiguous
+    w_stride_n,
+    bias_ptr,  # [N], or any pointer when not HAS_BIAS
+    y_ptr,  # [M, N]
+    y_stride_m,
+    N,
+    K,
+    M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # M rounded up to a power of two
+    BLOCK_N: tl.constexpr,  # rows of W per program
+    BLOCK_K: tl.constexpr,  # columns of W per iteration
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the loop
+    SILU_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DEFER_SUM: tl.constexpr,  # keep [BLOCK_M, BLOCK_N, BLOCK_K] partials, sum once at the end
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = tl.minimum(rows, N - 1).to(tl.int64)  # the last program re-reads row N-1 instead of masking
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    cols = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + w_rows[:, None] * w_stride_n + cols[None, :]
+    x_ptrs = x_ptr + m[:, None].to(tl.int64) * x_stride_m + cols[None, :]
+    if DEFER_SUM:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x_mask = m_ok[:, None]
+        else:
+            k_ok = (k0 + cols) < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            x_mask = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        if SILU_MUL:
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            x = x * tl.sigmoid(x) * up
+        prod = x[:, None, :] * w.to(tl.float32)[None, :, :]
+        if DEFER_SUM:
+            acc += prod
+        else:
+            acc += tl.sum(prod, axis=2)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if DEFER_SUM:
+        y = tl.sum(acc, axis=2)
+    else:
+        y = acc
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + m[:, None].to(tl.int64) * y_stride_m + rows[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (rows < N)[None, :])
+
+
+Tile = tuple[int, int, int, int, bool]  # (BLOCK_N, BLOCK_K, warps, stages, DEFER_SUM)
+
+
+def default_tile(n: int, k: int) -> Tile:
+    """Swept at one row on an H200 (benchmarks/KERNELS.md), timed as graph replays: long streams (gate/up,
+    LM heads) sum each chunk as it comes; smaller weights keep per-lane partials, and weights of at most
+    2048 rows take 4 rows a program so that ~4 programs share each SM."""
+    if n * k >= 1 << 25:
+        return (8, 1024, 4, 1, False)
+    if n <= 2048:
+        return (4, 1024, 8, 1, True)
+    return (8, 1024, 4, 1, True)
+
+
+def skinny_gemm_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+    out_dtype: torch.dtype | None = None, tile: Tile | None = None,
+) -> torch.Tensor:
+    """x [M, K] (or gate/up [M, 2K] with silu_mul) @ weight [N, K]^T (+ bias [N]) -> [M, N] in
+    out_dtype (default x's)."""
+    num_rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    assert num_rows <= MAX_ROWS and x.shape[1] == (2 * k if silu_mul else k)
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and (bias is None or bias.is_contiguous())
+    y = torch.empty((num_rows, n), dtype=out_dtype or x.dtype, device=x.device)
+    if num_rows == 0:
+        return y
+    block_n, block_k, num_warps, num_stages, defer = tile or default_tile(n, k)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x, x.stride(0), weight, weight.stride(0), weight if bias is None else bias, y, y.stride(0), n, k,
+        M=num_rows, BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, HAS_BIAS=bias is not None, DEFER_SUM=defer,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return y
+
+
+def skinny_gemm_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """fp32 products of x's values (silu(g) * u in fp32 with silu_mul), rounded once to out_dtype."""
+    xf = x.float()
+    if silu_mul:
+        gate, up = xf.chunk(2, dim=-1)
+        xf = F.silu(gate) * up
+    y = xf @ weight.float().t()
+    if bias is not None:
+        y += bias.float()
+    return y.to(out_dtype or x.dtype)
+
+
+def skinny_gemm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    if x.is_cuda:
+        return skinny_gemm_triton(x, weight, bias, silu_mul, out_dtype)
+    return skinny_gemm_ref(x, weight, bias, silu_mul, out_dtype)

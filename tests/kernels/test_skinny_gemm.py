@@ -1,0 +1,43 @@
+import pytest
+import torch
+
+from batchgen.kernels.skinny_gemm import skinny_gemm_ref, skinny_gemm_triton
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (M, N, K): one row, rows past a power of two, N not a multiple of BLOCK_N, K not a multiple of
+# BLOCK_K; llama-3.2-1b's down and qkv on the GPU.
+SHAPES = [(1, 8, 64), (3, 37, 96), (8, 19, 700)] + [
+    pytest.param(m, n, k, marks=pytest.mark.gpu) for m, n, k in [(1, 2048, 8192), (5, 3072, 2048)]
+]
+# (BLOCK_N, BLOCK_K, warps, stages, DEFER_SUM): the shape's default, and the other accumulation
+TILES = [None, (4, 64, 4, 1, False)]
+
+
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("silu_mul,bias", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_skinny_gemm(device, assert_close, dtype, m, n, k, silu_mul, bias, tile):
+    torch.manual_seed(0)
+    x = torch.randn(m, 2 * k if silu_mul else k, dtype=dtype, device=device)
+    weight = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    b = torch.randn(n, dtype=dtype, device=device) if bias else None
+    # fp32 sums in a different order: one rounding of the output, a little more for long K in fp32
+    assert_close(skinny_gemm_triton(x, weight, b, silu_mul, tile=tile), skinny_gemm_ref(x, weight, b, silu_mul),
+                 scale=2)
+
+
+def test_fp32_output_and_strided_rows(device):
+    torch.manual_seed(1)
+    wide = torch.randn(4, 80, device=device)
+    x = wide[:, :48]  # row stride 80
+    weight = torch.randn(21, 48, device=device)
+    got = skinny_gemm_triton(x, weight, out_dtype=torch.float32)
+    torch.testing.assert_close(got, skinny_gemm_ref(x, weight, out_dtype=torch.float32), atol=1e-4, rtol=1e-5)
+    got16 = skinny_gemm_triton(x.to(torch.float16), weight.to(torch.float16), out_dtype=torch.float32)
+    assert got16.dtype == torch.float32  # an LM head's fp32 logits from 16-bit weights
+
+
+def test_no_rows(device):
+    weight = torch.randn(5, 16, device=device)
+    assert skinny_gemm_triton(weight[:0], weight).shape == (0, 5)
