@@ -3,10 +3,13 @@
 Such a product is a stream of W through the GPU: each program reads BLOCK_N rows of W once, in
 BLOCK_K-wide chunks along K, and keeps every x row's partial sums in fp32, so W's bytes are all the
 traffic that counts. SILU_MUL takes x as a gate/up pair [M, 2K] and multiplies by silu(gate) * up on
-the fly (the down projection of an MLP, without the SiLU-and-mul kernel before it).
+the fly (the down projection of an MLP, without the SiLU-and-mul kernel before it); NORM takes x
+(and a residual) and applies add_rmsnorm as it reads, program 0 writing x + residual (the qkv and
+gate/up projections, without the norm kernel before them).
 
     y[m, n] = sum_k x[m, k] * W[n, k]                   (plain)
     y[m, n] = sum_k silu(g[m, k]) * u[m, k] * W[n, k]   (SILU_MUL, g = x[:, :K], u = x[:, K:])
+    y[m, n] = sum_k rmsnorm(x + r)[m, k] * W[n, k]       (NORM; rounded as kernels/rmsnorm.py rounds)
 """
 from __future__ import annotations
 
@@ -15,10 +18,37 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from batchgen.kernels.rmsnorm import add_rmsnorm_ref, rmsnorm_ref
+
 MAX_ROWS = 8
 
 
 @triton.jit
+def _input_chunk(
+    x_ptr, x_stride_m, res_ptr, res_stride_m, norm_w_ptr, rstd, m, m_ok, k, k_ok, K,
+    SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    """The product's input at columns k of rows m, in fp32: x, silu(g) * u, or rmsnorm(x + r) * w
+    rounded as add_rmsnorm rounds it (the sum, the normalised row and the weighted row each to x's
+    dtype)."""
+    mask = m_ok[:, None] & k_ok[None, :]
+    offs = m[:, None].to(tl.int64) * x_stride_m + k[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if SILU_MUL:
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptr + offs + K, mask=mask, other=0.0).to(tl.float32)
+        return gate * tl.sigmoid(gate) * up
+    if NORM:
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + m[:, None].to(tl.int64) * res_stride_m + k[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        w = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]
+        return normed.to(x.dtype).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["eps"])
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K], or [M, 2K] gate/up when SILU_MUL
     x_stride_m,
@@ -27,47 +57,66 @@ def _skinny_gemm_kernel(
     bias_ptr,  # [N], or any pointer when not HAS_BIAS
     y_ptr,  # [M, N]
     y_stride_m,
+    res_ptr,  # [M, K] residual added to x before the norm (HAS_RESIDUAL)
+    res_stride_m,
+    new_res_ptr,  # [M, K] x + residual, written by program 0 (HAS_RESIDUAL)
+    new_res_stride_m,
+    norm_w_ptr,  # [K] RMSNorm weight (NORM)
+    eps,
     N,
     K,
     M: tl.constexpr,
     BLOCK_M: tl.constexpr,  # M rounded up to a power of two
     BLOCK_N: tl.constexpr,  # rows of W per program
     BLOCK_K: tl.constexpr,  # columns of W per iteration
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the loop
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks on W in the loop
     SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr,  # the input is rmsnorm(x (+ residual)) * norm weight
+    HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DEFER_SUM: tl.constexpr,  # keep [BLOCK_M, BLOCK_N, BLOCK_K] partials, sum once at the end
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = tl.minimum(rows, N - 1).to(tl.int64)  # the last program re-reads row N-1 instead of masking
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
     cols = tl.arange(0, BLOCK_K)
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:  # every program reads the rows once more (from L2) for their statistics
+        squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + cols
+            mask = m_ok[:, None] & (k < K)[None, :]
+            x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride_m + k[None, :], mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + m[:, None].to(tl.int64) * res_stride_m + k[None, :], mask=mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # one rounding, as torch's x + r
+                if pid == 0:
+                    tl.store(new_res_ptr + m[:, None].to(tl.int64) * new_res_stride_m + k[None, :], x, mask=mask)
+            xf = x.to(tl.float32)
+            squares += xf * xf
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps)
     w_ptrs = w_ptr + w_rows[:, None] * w_stride_n + cols[None, :]
-    x_ptrs = x_ptr + m[:, None].to(tl.int64) * x_stride_m + cols[None, :]
     if DEFER_SUM:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        k = k0 + cols
+        k_ok = k < K
         if EVEN_K:
             w = tl.load(w_ptrs)
-            x_mask = m_ok[:, None]
         else:
-            k_ok = (k0 + cols) < K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            x_mask = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-        if SILU_MUL:
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
-            x = x * tl.sigmoid(x) * up
+        x = _input_chunk(x_ptr, x_stride_m, res_ptr, res_stride_m, norm_w_ptr, rstd, m, m_ok, k, k_ok, K,
+                         SILU_MUL, NORM, HAS_RESIDUAL)
         prod = x[:, None, :] * w.to(tl.float32)[None, :, :]
         if DEFER_SUM:
             acc += prod
         else:
             acc += tl.sum(prod, axis=2)
         w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
     if DEFER_SUM:
         y = tl.sum(acc, axis=2)
     else:
@@ -92,27 +141,49 @@ def default_tile(n: int, k: int) -> Tile:
     return (8, 1024, 4, 1, True)
 
 
+def _launch(x, weight, bias, out_dtype, tile, silu_mul=False, residual=None, norm_weight=None, eps=0.0):
+    num_rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    assert num_rows <= MAX_ROWS and x.shape[1] == (2 * k if silu_mul else k)
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and (bias is None or bias.is_contiguous())
+    y = torch.empty((num_rows, n), dtype=out_dtype or x.dtype, device=x.device)
+    new_residual = x
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
+        new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_rows == 0:
+        return y, new_residual
+    if norm_weight is not None:
+        assert norm_weight.shape == (k,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
+    block_n, block_k, num_warps, num_stages, defer = tile or default_tile(n, k)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x, x.stride(0), weight, weight.stride(0), weight if bias is None else bias, y, y.stride(0),
+        x if residual is None else residual, 0 if residual is None else residual.stride(0),
+        new_residual, new_residual.stride(0), weight if norm_weight is None else norm_weight, eps, n, k,
+        M=num_rows, BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, NORM=norm_weight is not None,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, DEFER_SUM=defer,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return y, new_residual
+
+
 def skinny_gemm_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
     out_dtype: torch.dtype | None = None, tile: Tile | None = None,
 ) -> torch.Tensor:
     """x [M, K] (or gate/up [M, 2K] with silu_mul) @ weight [N, K]^T (+ bias [N]) -> [M, N] in
     out_dtype (default x's)."""
-    num_rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    assert num_rows <= MAX_ROWS and x.shape[1] == (2 * k if silu_mul else k)
-    assert x.stride(1) == 1 and weight.stride(1) == 1 and (bias is None or bias.is_contiguous())
-    y = torch.empty((num_rows, n), dtype=out_dtype or x.dtype, device=x.device)
-    if num_rows == 0:
-        return y
-    block_n, block_k, num_warps, num_stages, defer = tile or default_tile(n, k)
-    block_k = min(block_k, triton.next_power_of_2(k))
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, x.stride(0), weight, weight.stride(0), weight if bias is None else bias, y, y.stride(0), n, k,
-        M=num_rows, BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, HAS_BIAS=bias is not None, DEFER_SUM=defer,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return y
+    return _launch(x, weight, bias, out_dtype, tile, silu_mul=silu_mul)[0]
+
+
+def normed_skinny_gemm_triton(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None, tile: Tile | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) @ weight^T (+ bias), x + residual), or with no residual
+    (rmsnorm(x) @ weight^T (+ bias), x): add_rmsnorm and the product in one launch."""
+    return _launch(x, weight, bias, None, tile, residual=residual, norm_weight=norm_weight, eps=eps)
 
 
 def skinny_gemm_ref(
@@ -130,6 +201,17 @@ def skinny_gemm_ref(
     return y.to(out_dtype or x.dtype)
 
 
+def normed_skinny_gemm_ref(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is None:
+        normed, new_residual = rmsnorm_ref(x, norm_weight, eps), x
+    else:
+        normed, new_residual = add_rmsnorm_ref(x, residual, norm_weight, eps)
+    return skinny_gemm_ref(normed, weight, bias), new_residual
+
+
 def skinny_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
     out_dtype: torch.dtype | None = None,
@@ -137,3 +219,12 @@ def skinny_gemm(
     if x.is_cuda:
         return skinny_gemm_triton(x, weight, bias, silu_mul, out_dtype)
     return skinny_gemm_ref(x, weight, bias, silu_mul, out_dtype)
+
+
+def normed_skinny_gemm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda:
+        return normed_skinny_gemm_triton(x, residual, norm_weight, eps, weight, bias)
+    return normed_skinny_gemm_ref(x, residual, norm_weight, eps, weight, bias)

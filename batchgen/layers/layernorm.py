@@ -2,6 +2,8 @@ import torch
 from torch import nn
 
 from batchgen.kernels import add_rmsnorm, rmsnorm
+from batchgen.kernels.skinny_gemm import normed_skinny_gemm
+from batchgen.layers.packed_linear import PackableWeight
 
 
 class RMSNorm(nn.Module):
@@ -17,3 +19,17 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rmsnorm(x, self.weight, self.eps)
         return add_rmsnorm(x, residual, self.weight, self.eps)
+
+
+def normed_product(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: PackableWeight
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(x + residual)), x + residual), or without a residual (linear(norm(x)), x). One
+    launch where the product streams its weight (one row on a GPU: the skinny kernel applies the norm
+    as it reads x); the norm's kernel, then the product, elsewhere."""
+    if linear.streams(x) and norm.weight.dtype == x.dtype:
+        return normed_skinny_gemm(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+    if residual is None:
+        return linear(norm(x)), x
+    normed, residual = norm(x, residual)
+    return linear(normed), residual

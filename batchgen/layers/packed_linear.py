@@ -12,8 +12,9 @@ F.linear's result on a probe, the layers keep F.linear.
 PackableWeight.matmul is every layer's product: packed on CPU, F.linear elsewhere, except one row of
 16-bit activations on a GPU (the decode of a single sequence) with a weight of at most 2^24 elements,
 which the skinny kernel streams (kernels/skinny_gemm.py: 9-20% under cuBLAS's batch-1 products on
-llama-3.2-1b's qkv, o and down in CUDA graphs on an H200, and the down projection takes silu(gate) * up
-as it reads, one kernel less).
+llama-3.2-1b's qkv, o and down in CUDA graphs on an H200; the down projection takes silu(gate) * up
+as it reads, and layernorm.normed_product gives qkv and gate/up their RMSNorm the same way: a kernel
+less each).
 """
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def can_pack(dtype: torch.dtype) -> bool:
 # Layer weights up to this size go to the skinny kernel at one row; cuBLAS was as fast or faster on
 # larger ones (llama-3.2-1b's gate/up, llama-3.1-8b's qkv, gate/up and down; H200, KERNELS.md). LM
 # heads, far larger, stream faster again (ParallelLMHead asks streams_weight alone).
+# The same holds with the RMSNorm applied in the product: handing llama-3.2-1b's gate/up (2^25) to it
+# too made W-decode1 slower (1.119 vs 1.093 ms), though it saves a norm launch.
 SKINNY_MAX_WEIGHT = 1 << 24
 
 
@@ -83,10 +86,14 @@ class PackableWeight:
         if self.packed is not None and not keep_plain:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # only the packed copy is read now
 
+    def streams(self, x: torch.Tensor) -> bool:
+        """Whether the product with x goes to the skinny kernel."""
+        return streams_weight(x) and self.packed is None and self.weight.numel() <= SKINNY_MAX_WEIGHT
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
         """x [T, in] @ weight^T (+ bias); silu_mul: x is a gate/up pair [T, 2 in] and the product takes
         silu(gate) * up."""
-        if streams_weight(x) and self.weight.numel() <= SKINNY_MAX_WEIGHT:
+        if self.streams(x):
             return skinny_gemm(x, self.weight, bias, silu_mul)
         if silu_mul:
             x = silu_and_mul(x)

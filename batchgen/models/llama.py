@@ -13,7 +13,7 @@ from batchgen.forward.batch import ForwardBatch
 from batchgen.forward.parallel import SINGLE, TensorParallel
 from batchgen.layers.attention import Attention
 from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from batchgen.layers.layernorm import RMSNorm
+from batchgen.layers.layernorm import RMSNorm, normed_product
 from batchgen.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from batchgen.layers.packed_linear import PackableWeight
 from batchgen.layers.rotary import RotaryEmbedding
@@ -34,8 +34,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) D]
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """qkv: [T, (Hq + 2 Hk) D], from qkv_proj (which the layer runs with its norm)."""
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # strided views into qkv: no copies
@@ -49,14 +49,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """gate/up and down; the layer runs them (its norm goes into gate/up, SiLU-and-mul into down)."""
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), silu_mul=True)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -68,13 +67,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, positions, hidden, residual, batch: ForwardBatch):
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # each norm and the product after it: one launch for one row on a GPU (layernorm.normed_product)
+        qkv, residual = normed_product(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
+        hidden = self.self_attn(positions, qkv, batch)
+        gate_up, residual = normed_product(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj)
+        return self.mlp.down_proj(gate_up, silu_mul=True), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref
 from batchgen.layers.embedding import ParallelLMHead
+from batchgen.layers.layernorm import RMSNorm, normed_product
 from batchgen.layers.linear import ColumnParallelLinear, RowParallelLinear
 from batchgen.layers.packed_linear import can_pack, streams_weight
 
@@ -62,3 +63,26 @@ def test_lm_head_gives_fp32_logits_at_one_row_and_many(rows):
     logits = head(hidden)
     assert logits.dtype == torch.float32 and logits.shape == (rows, 1000)
     torch.testing.assert_close(logits, hidden.float() @ head.weight.float().t(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_normed_product_gives_the_norm_then_the_product(device, rows, with_residual):
+    """A decoder layer's norm -> qkv (or gate/up): one launch at one row on a GPU, the same values."""
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    norm = RMSNorm(200, 1e-5)
+    norm.weight.data.copy_(torch.rand(200, generator=gen) + 0.5)
+    norm = norm.to(device=device, dtype=dtype)
+    qkv = _layer(ColumnParallelLinear, 200, 72, True, dtype, device)
+    x = (torch.randn(rows, 200, generator=gen) * 2).to(device=device, dtype=dtype)
+    residual = torch.randn(rows, 200, generator=gen).to(device=device, dtype=dtype) if with_residual else None
+    if residual is None:
+        want_residual, normed = x, norm(x)
+    else:
+        normed, want_residual = norm(x, residual)
+    want = qkv(normed)
+    got, got_residual = normed_product(norm, x, residual, qkv)
+    torch.testing.assert_close(got_residual, want_residual, atol=0, rtol=0)
+    torch.testing.assert_close(got.float(), want.float(), atol=3 * TOL[dtype], rtol=3 * TOL[dtype])

@@ -1,7 +1,12 @@
 import pytest
 import torch
 
-from batchgen.kernels.skinny_gemm import skinny_gemm_ref, skinny_gemm_triton
+from batchgen.kernels.skinny_gemm import (
+    normed_skinny_gemm_ref,
+    normed_skinny_gemm_triton,
+    skinny_gemm_ref,
+    skinny_gemm_triton,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (M, N, K): one row, rows past a power of two, N not a multiple of BLOCK_N, K not a multiple of
@@ -41,3 +46,26 @@ def test_fp32_output_and_strided_rows(device):
 def test_no_rows(device):
     weight = torch.randn(5, 16, device=device)
     assert skinny_gemm_triton(weight[:0], weight).shape == (0, 5)
+
+
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_normed_skinny_gemm(device, assert_close, dtype, m, n, k, residual, tile):
+    """add_rmsnorm (or rmsnorm) applied as the product reads x: the product and x + residual."""
+    torch.manual_seed(2)
+    x = torch.randn(m, k, dtype=dtype, device=device) * 3
+    res = torch.randn(m, k, dtype=dtype, device=device) if residual else None
+    norm_weight = (torch.rand(k, device=device) + 0.5).to(dtype)
+    weight = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    bias = torch.randn(n, dtype=dtype, device=device)
+    got, got_res = normed_skinny_gemm_triton(x, res, norm_weight, 1e-6, weight, bias, tile=tile)
+    want, want_res = normed_skinny_gemm_ref(x, res, norm_weight, 1e-6, weight, bias)
+    assert_close(got_res, want_res)  # the same one rounding of x + residual
+    if residual:
+        assert got_res.data_ptr() not in (x.data_ptr(), res.data_ptr())
+    else:
+        assert got_res is x
+    # the normalised row may round the other way in a few places: a little more than one rounding
+    assert_close(got, want, scale=3)
