@@ -503,15 +503,17 @@ def bench_gemm(model, cfg, copy_bw):
             for m in GEMM_BATCHES:
                 x = torch.randn(m, k, dtype=DTYPE, device=DEVICE)
                 floor_us = max(n * k * ELEM / copy_bw, 2 * m * n * k / PEAK_BF16_FLOPS) * 1e6
-                impls = {library: (library, lambda: [F.linear(x, w) for w in ws]) for library in ("cublas", "cublaslt")}
+                impls = {library: lambda: [F.linear(x, w) for w in ws] for library in ("cublas", "cublaslt")}
                 if m == 1:  # what the engine runs for one row (layers/packed_linear.py)
-                    impls["skinny"] = ("cublas", lambda: [skinny_gemm_triton(x, w) for w in ws])
-                for impl, (library, fn) in impls.items():
-                    torch.backends.cuda.preferred_blas_library(library)
+                    impls["skinny"] = lambda: [skinny_gemm_triton(x, w) for w in ws]
+                for impl, fn in impls.items():
+                    if impl != "skinny":
+                        torch.backends.cuda.preferred_blas_library(impl)
                     us = 1e3 * do_bench_cudagraph(fn, return_mode="median") / copies
                     emit(kind="gemm", model=model, shape=f"{name} M={m}", impl=impl, us=round(us, 2),
                          floor_us=round(floor_us, 2), gbps=round(n * k * ELEM / us / 1e3, 1))
             if name == "down":  # one row: SiLU-and-mul + cuBLAS, against the skinny product that applies it
+                torch.backends.cuda.preferred_blas_library("cublas")
                 gate_up = torch.randn(1, 2 * k, dtype=DTYPE, device=DEVICE)
                 for impl, fn in (("silu+cublas", lambda: [F.linear(silu_and_mul_triton(gate_up), w) for w in ws]),
                                  ("skinny_silu", lambda: [skinny_gemm_triton(gate_up, w, silu_mul=True) for w in ws])):

@@ -88,7 +88,7 @@ class PackableWeight:
 
     def streams(self, x: torch.Tensor) -> bool:
         """Whether the product with x goes to the skinny kernel."""
-        return streams_weight(x) and self.packed is None and self.weight.numel() <= SKINNY_MAX_WEIGHT
+        return streams_weight(x) and self.weight.numel() <= SKINNY_MAX_WEIGHT  # (packed weights are CPU's)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
         """x [T, in] @ weight^T (+ bias); silu_mul: x is a gate/up pair [T, 2 in] and the product takes
