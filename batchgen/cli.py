@@ -350,7 +350,7 @@ def _token_text(model: str):
     """A token id -> its text, by the tokenizer of `model` ("default": the embedded model's)."""
     from transformers import AutoTokenizer
 
-    from batchgen.io.openai_output import token_text_of
+    from batchgen.token_text import token_text_of
     from batchgen.models.resolve import resolve_model_dir
 
     try:

@@ -54,8 +54,8 @@ from batchgen.kernels.skinny_gemm import skinny_gemm_triton
 from batchgen.kernels.store_kv import store_kv_ref, store_kv_triton
 
 MODELS = {
-    "llama-3.2-1b": dict(hidden=2048, inter=8192, q_heads=32, kv_heads=8, head_dim=64),
-    "llama-3.1-8b": dict(hidden=4096, inter=14336, q_heads=32, kv_heads=8, head_dim=128),
+    "llama-3.2-1b": dict(hidden=2048, inter=8192, q_heads=32, kv_heads=8, head_dim=64, vocab=128256),
+    "llama-3.1-8b": dict(hidden=4096, inter=14336, q_heads=32, kv_heads=8, head_dim=128, vocab=128256),
 }
 DTYPE = torch.bfloat16
 ELEM = 2  # bytes per bf16 element
@@ -218,13 +218,13 @@ DECODE_VARIANTS = [(2, 128, 4, 2), (2, 64, 4, 3), (2, 64, 4, 2), (1, 64, 4, 2), 
 
 
 def bench_decode(model, cfg, copy_bw, sweep, budget_s):
-    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
-    scale = d**-0.5
+    scale = cfg["head_dim"] ** -0.5
     for batch, kv_len in DECODE_SHAPES:
         shape = f"decode B={batch} L={kv_len}"
-        q, k_cache, v_cache, table, rows, _, _, lens = attention_inputs(cfg, [(1, kv_len)] * batch)
+        seqs = [(1, kv_len)] * batch
+        q, k_cache, v_cache, table, rows, _, _, lens = attention_inputs(cfg, seqs)
         args = (q, k_cache, v_cache, table, rows, lens, kv_len, scale)
-        nbytes = (2 * batch * kv_len * hk * d + 2 * batch * hq * d) * ELEM + batch * kv_len * 4
+        nbytes = attention_cost(cfg, seqs)[1] + batch * kv_len * 4  # (+ the token table's int32 slots)
         torch.testing.assert_close(decode_attention_triton(*args), decode_attention_ref(*args),
                                    atol=1.6e-2, rtol=1.6e-2)
         impls = {"triton": lambda: decode_attention_triton(*args)}
@@ -240,7 +240,7 @@ def bench_decode(model, cfg, copy_bw, sweep, budget_s):
             for per_sm, block_n, warps, stages in DECODE_VARIANTS:
                 if time.time() - START > budget_s:
                     break
-                splits = _pick_num_splits(batch, hk, kv_len, block_n, _num_sms(q.device) * per_sm // 2)
+                splits = _pick_num_splits(batch, cfg["kv_heads"], kv_len, block_n, _num_sms(q.device) * per_sm // 2)
                 variant = f"per_sm={per_sm} C={splits} N={block_n} w={warps} s={stages}"
                 fn = lambda: _decode_attention_launch(*args, splits, block_n, warps, stages)  # noqa: E731
                 if check_variant("decode_attention", model, shape, variant, fn, expected):
@@ -495,11 +495,14 @@ def bench_gemm(model, cfg, copy_bw):
     the larger of the weight read at copy bandwidth and the products at PEAK_BF16_FLOPS."""
     h, inter, d = cfg["hidden"], cfg["inter"], cfg["head_dim"]
     weights = {"qkv": ((cfg["q_heads"] + 2 * cfg["kv_heads"]) * d, h), "o": (h, cfg["q_heads"] * d),
-               "gate_up": (2 * inter, h), "down": (h, inter), "lm_head": (128256, h)}
+               "gate_up": (2 * inter, h), "down": (h, inter), "lm_head": (cfg["vocab"], h)}
     try:
         for name, (n, k) in weights.items():
             copies = 2 if name == "lm_head" else 16  # (the LM head alone is past L2)
             ws = [torch.randn(n, k, dtype=DTYPE, device=DEVICE) * 0.02 for _ in range(copies)]
+
+            def replay_us(fn):  # one product's share of a graph replay of all the copies
+                return 1e3 * do_bench_cudagraph(fn, return_mode="median") / copies
             for m in GEMM_BATCHES:
                 x = torch.randn(m, k, dtype=DTYPE, device=DEVICE)
                 floor_us = max(n * k * ELEM / copy_bw, 2 * m * n * k / PEAK_BF16_FLOPS) * 1e6
@@ -509,7 +512,7 @@ def bench_gemm(model, cfg, copy_bw):
                 for impl, fn in impls.items():
                     if impl != "skinny":
                         torch.backends.cuda.preferred_blas_library(impl)
-                    us = 1e3 * do_bench_cudagraph(fn, return_mode="median") / copies
+                    us = replay_us(fn)
                     emit(kind="gemm", model=model, shape=f"{name} M={m}", impl=impl, us=round(us, 2),
                          floor_us=round(floor_us, 2), gbps=round(n * k * ELEM / us / 1e3, 1))
             if name == "down":  # one row: SiLU-and-mul + cuBLAS, against the skinny product that applies it
@@ -517,8 +520,7 @@ def bench_gemm(model, cfg, copy_bw):
                 gate_up = torch.randn(1, 2 * k, dtype=DTYPE, device=DEVICE)
                 for impl, fn in (("silu+cublas", lambda: [F.linear(silu_and_mul_triton(gate_up), w) for w in ws]),
                                  ("skinny_silu", lambda: [skinny_gemm_triton(gate_up, w, silu_mul=True) for w in ws])):
-                    us = 1e3 * do_bench_cudagraph(fn, return_mode="median") / copies
-                    emit(kind="gemm", model=model, shape="down+silu M=1", impl=impl, us=round(us, 2))
+                    emit(kind="gemm", model=model, shape="down+silu M=1", impl=impl, us=round(replay_us(fn), 2))
             del ws
     finally:
         torch.backends.cuda.preferred_blas_library("cublas")

@@ -10,7 +10,7 @@ import pytest
 
 from batchgen.io.openai_input import CHAT_URL, COMPLETIONS_URL
 from batchgen.queue import Keys, collect_job, submit_job
-from tests.openai_types import line, validate_line
+from tests.openai_types import line, read_lines, validate_line
 from tests.redis_server import prefix, redis_server  # noqa: F401
 from tests.test_queue import Running, StandInLLM, client, keys, results, wait_for, write_jsonl  # noqa: F401
 
@@ -35,10 +35,10 @@ def test_submit_an_openai_file_and_collect_the_openai_output(tmp_path, client, k
     out, error_file = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     collected = collect_job(client, keys, "j", out, timeout_s=10, output_format="openai", error_file=error_file)
     assert collected.metadata["rows"] == 4
-    ok = {x["custom_id"]: validate_line(x) for x in map(json.loads, out.read_text().splitlines())}
+    ok = {x["custom_id"]: validate_line(x) for x in read_lines(out)}
     assert set(ok) == {"a", "b"}
     assert ok["a"].choices[0].text == "cba" and ok["a"].object == "text_completion" and ok["a"].model == "served"
-    failed = [json.loads(x) for x in error_file.read_text().splitlines()]
+    failed = read_lines(error_file)
     assert sorted(x["custom_id"] for x in failed) == ["c", "d"] and all(validate_line(x) is None for x in failed)
 
 
@@ -109,7 +109,7 @@ def test_a_native_input_to_the_openai_output_on_a_tiny_model(tmp_path, batchgen,
     code, stdout, err = batchgen("run", src, out, "--model", model, "--output-format", "openai",
                                  "--temperature", "0", "--device", "cpu")
     assert code == 0, err
-    lines = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    lines = {x["custom_id"]: x for x in read_lines(out)}
     assert set(lines) == {"1", "x", "m"} and "2 ok, 1 errors" in stdout
     bodies = {k: validate_line(v) for k, v in lines.items()}
     assert bodies["m"] is None and "chat template" in lines["m"]["error"]["message"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -22,6 +21,7 @@ from batchgen.models.model_config import load_model_config
 from batchgen.models.resolve import resolve_model_dir
 from batchgen.sampling_params import SamplingParams
 from batchgen.schema import KNOWN_FIELDS, error_result
+from batchgen.token_text import token_text_of
 
 log = logging.getLogger("batchgen")
 
@@ -32,6 +32,7 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model)
         self.model_cfg = load_model_config(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=config.trust_remote_code)
+        self._token_text = token_text_of(self.tokenizer)  # top_logprobs' token strings
         self.workers: TPWorkers | None = None  # ranks 1..N-1 under tensor parallelism
         tp = SINGLE
         if config.tensor_parallel_size > 1:
@@ -58,7 +59,6 @@ class LLMEngine:
             self.tokenizer, self.model_cfg.vocab_size, self.eos_ids, config.max_num_seqs,
             pin_memory=self.runner.device.type == "cuda",
         )
-        self._token_texts: dict[int, str] = {}  # top_logprobs' token strings
         self.in_flight: StepOutput | None = None  # the launched step not yet read back
         log.info("engine ready: %s", self.describe())
 
@@ -207,12 +207,6 @@ class LLMEngine:
         seq.first_token = seq.first_token or now
         seq.finished_at = now
         self.scheduler.finish(seq)
-
-    def _token_text(self, token: int) -> str:
-        text = self._token_texts.get(token)
-        if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token])
-        return text
 
     def abort_all(self, clear_cache: bool = False) -> None:
         """Drop every request, freeing its slots. clear_cache: empty the prefix cache too (after a

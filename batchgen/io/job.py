@@ -25,6 +25,7 @@ from batchgen.io.sinks import Layout, PartWriter, Totals, list_parts, merge_part
 from batchgen.io.sources import InputError, open_source
 from batchgen.sampling_params import samples_of
 from batchgen.schema import SAMPLES_KEY
+from batchgen.token_text import TokenText, token_text_of
 
 
 class Progress(Protocol):
@@ -259,9 +260,9 @@ def _served_model(spec: JobSpec) -> str:
     return spec.served_models[0] if spec.served_models else str(spec.settings.get("model") or "batchgen")
 
 
-def _token_text(llm) -> openai_output.TokenText | None:
+def _token_text(llm) -> TokenText | None:
     tokenizer = getattr(llm, "tokenizer", None)
-    return None if tokenizer is None else openai_output.token_text_of(tokenizer)
+    return None if tokenizer is None else token_text_of(tokenizer)
 
 
 def _stored_metadata(output: Path) -> dict:

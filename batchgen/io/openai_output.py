@@ -22,7 +22,6 @@ and mtime: a sidecar that does not match OUTPUT (a crash between the two) counts
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from contextlib import nullcontext
@@ -39,6 +38,7 @@ import pyarrow.parquet as pq
 from batchgen.io.openai_input import COMPLETIONS_URL
 from batchgen.io.rows import ROW_KEY
 from batchgen.io.sinks import Totals, first_copies, fsync_dir, list_parts, write_atomically
+from batchgen.token_text import TokenText
 
 SAMPLE_KEY = "sample_index"  # the n samples of one line (absent: one sample, index 0)
 ERROR_CODE = "invalid_request"
@@ -46,15 +46,6 @@ MIN_LOGPROB = -9999.0  # OpenAI's stand-in for a token too unlikely to have a fi
 OUTPUT_COLUMNS = ("id", "text", "output_token_ids", "finish_reason", "error", "prompt_tokens", "completion_tokens",
                   "cached_prompt_tokens", "logprobs", "top_logprobs", "url", "model", SAMPLE_KEY, ROW_KEY)
 OPENAI_SUFFIXES = (".jsonl", ".ndjson")
-
-TokenText = Callable[[int], str]
-
-
-def token_text_of(tokenizer) -> TokenText:
-    """A token id -> its own text, for the `token` of OpenAI logprobs (special tokens spelled out);
-    each id decoded once (a job spells the same few thousand ids millions of times)."""
-    return functools.cache(lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
-
 
 # --- response objects ---------------------------------------------------------------------------
 

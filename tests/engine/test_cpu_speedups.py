@@ -10,15 +10,7 @@ from batchgen.engine.cpu_memory import keep_freed_memory
 from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from batchgen.layers.linear import ColumnParallelLinear, RowParallelLinear
 from batchgen.layers.packed_linear import can_pack
-
-
-def _layer(cls, dtype, bias):
-    gen = torch.Generator().manual_seed(1)
-    layer = cls(72, 40, bias=bias).to(dtype)
-    layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=gen))
-    if bias:
-        layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=gen))
-    return layer
+from tests.engine.test_layer_products import make_layer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -29,7 +21,7 @@ def _layer(cls, dtype, bias):
 def test_packed_layers_compute_f_linear(dtype, cls, bias, rows):
     if not can_pack(dtype):
         pytest.skip(f"this torch/CPU cannot pack {dtype} weights")
-    layer = _layer(cls, dtype, bias)
+    layer = make_layer(cls, 72, 40, bias, dtype, "cpu")
     weight = layer.weight.detach().clone()
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(2)).to(dtype)
     want = F.linear(x, weight, layer.bias)

@@ -11,12 +11,12 @@ from batchgen.layers.layernorm import RMSNorm, normed_product
 from batchgen.layers.linear import ColumnParallelLinear, RowParallelLinear
 from batchgen.layers.packed_linear import can_pack, streams_weight
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # (tests/conftest.py skips gpu without CUDA)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
-def _layer(cls, in_features, out_features, bias, dtype, device):
+def make_layer(cls, in_features, out_features, bias, dtype, device):
+    """A linear layer with seeded random weights (scaled by 1 / sqrt(in)) and bias."""
     gen = torch.Generator().manual_seed(1)
     layer = cls(in_features, out_features, bias=bias)
     layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=gen) / in_features**0.5)
@@ -30,7 +30,7 @@ def _layer(cls, in_features, out_features, bias, dtype, device):
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("cls,bias", [(ColumnParallelLinear, True), (RowParallelLinear, False)])
 def test_products_give_f_linear(device, dtype, rows, cls, bias):
-    layer = _layer(cls, 200, 72, bias, dtype, device)
+    layer = make_layer(cls, 200, 72, bias, dtype, device)
     x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=dtype)
     assert streams_weight(x) == (device == "cuda" and rows == 1 and dtype == torch.bfloat16)
     want = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
@@ -44,7 +44,7 @@ def test_products_give_f_linear(device, dtype, rows, cls, bias):
 def test_down_projection_takes_the_gate_up_pair(device, dtype, rows, packed):
     if packed and (device != "cpu" or not can_pack(dtype)):
         pytest.skip("packing is for CPU weights this torch can pack")
-    down = _layer(RowParallelLinear, 96, 40, False, dtype, device)
+    down = make_layer(RowParallelLinear, 96, 40, False, dtype, device)
     gate_up = torch.randn(rows, 2 * 96, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=dtype) * 3
     want = F.linear(silu_and_mul_ref(gate_up.float()), down.weight.float())
     if packed:
@@ -53,7 +53,6 @@ def test_down_projection_takes_the_gate_up_pair(device, dtype, rows, packed):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [1, 3])
 def test_lm_head_gives_fp32_logits_at_one_row_and_many(rows):
     head = ParallelLMHead(1000, 64)
@@ -75,7 +74,7 @@ def test_normed_product_gives_the_norm_then_the_product(device, rows, with_resid
     norm = RMSNorm(200, 1e-5)
     norm.weight.data.copy_(torch.rand(200, generator=gen) + 0.5)
     norm = norm.to(device=device, dtype=dtype)
-    qkv = _layer(ColumnParallelLinear, 200, 72, True, dtype, device)
+    qkv = make_layer(ColumnParallelLinear, 200, 72, True, dtype, device)
     x = (torch.randn(rows, 200, generator=gen) * 2).to(device=device, dtype=dtype)
     residual = torch.randn(rows, 200, generator=gen).to(device=device, dtype=dtype) if with_residual else None
     if residual is None:

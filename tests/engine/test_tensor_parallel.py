@@ -66,15 +66,11 @@ def assert_tp_matches(model_dir, **options):
     return double
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_squeezed_settings_match_tp1(kind, tiny_model):
-    results = assert_tp_matches(tiny_model(kind), **SQUEEZED)
-    assert sum(r["num_preemptions"] for r in results) > 0
-
-
-def test_fp8_kv_cache_matches_tp1(tiny_model):
-    """--kv-cache-dtype fp8: each rank rounds its own heads' K/V into its fp8 pool."""
-    results = assert_tp_matches(tiny_model("qwen2"), kv_cache_dtype="fp8", **SQUEEZED)
+# (qwen2, fp8: --kv-cache-dtype fp8, each rank rounding its own heads' K/V into its fp8 pool)
+@pytest.mark.parametrize("kind,options", [("llama", {}), ("qwen2", {}), ("qwen3", {}),
+                                          ("qwen2", {"kv_cache_dtype": "fp8"})])
+def test_squeezed_settings_match_tp1(kind, options, tiny_model):
+    results = assert_tp_matches(tiny_model(kind), **options, **SQUEEZED)
     assert sum(r["num_preemptions"] for r in results) > 0
 
 
