@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.store_kv import query_for_kv_dot
 
 
@@ -58,7 +59,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D, at least 16
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_prior_kernels(PDL)
     # The kv heads of one (sequence, split) run side by side: they read neighbouring bytes of
     # the same slots.
     kv_head = tl.program_id(0).to(tl.int64)
@@ -129,7 +132,9 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_N: tl.constexpr,  # keys per step of stage 1 (S_i is a multiple of it)
     BLOCK_D: tl.constexpr,  # next power of 2 >= D
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_prior_kernels(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     kv_len = tl.load(kv_lens_ptr + seq)
@@ -215,6 +220,7 @@ def _decode_attention_launch(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_launch_args(q.device),
     )
     if direct:
         return out
@@ -226,6 +232,7 @@ def _decode_attention_launch(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=1 if block_d <= 64 else 2,
+        **pdl_launch_args(q.device),
     )
     return out
 

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+
 _M32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # multiplier of both mix rounds
 _TOKEN_SALT = 0x9E3779B9  # added to token ids before mixing
@@ -46,7 +48,9 @@ def _gumbel_argmax_parts_kernel(
     part_size,  # vocabulary entries per part, a multiple of BLOCK
     num_parts,  # P
     BLOCK: tl.constexpr,  # vocabulary entries per iteration
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_prior_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
@@ -90,7 +94,9 @@ def _argmax_of_parts_kernel(
     out_ptr,  # [S] int64 chosen token ids
     num_parts,  # P
     PARTS: tl.constexpr,  # MAX_PARTS, whatever P (one compile)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_prior_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, PARTS)
     best = tl.load(part_max_ptr + row * num_parts + offs, mask=offs < num_parts, other=float("-inf"))
@@ -123,9 +129,9 @@ def gumbel_argmax_triton(
     part_arg = torch.empty((rows, parts), dtype=torch.int64, device=logits.device)
     _gumbel_argmax_parts_kernel[(rows, parts)](
         logits, logits.stride(0), temperatures, seeds, steps, part_max, part_arg,
-        vocab, part_size, parts, BLOCK=BLOCK, num_warps=4,
+        vocab, part_size, parts, BLOCK=BLOCK, num_warps=4, **pdl_launch_args(logits.device),
     )
-    _argmax_of_parts_kernel[(rows,)](part_max, part_arg, out, parts, PARTS=MAX_PARTS)
+    _argmax_of_parts_kernel[(rows,)](part_max, part_arg, out, parts, PARTS=MAX_PARTS, **pdl_launch_args(logits.device))
     return out
 
 

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+
 
 @triton.jit(do_not_specialize=["eps"])
 def _rmsnorm_kernel(
@@ -26,7 +28,9 @@ def _rmsnorm_kernel(
     eps,  # float
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,  # next power of 2 >= H: one program holds a whole row
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_prior_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -68,6 +72,7 @@ def _launch(x, residual, weight, eps):
         HAS_RESIDUAL=residual is not x,
         BLOCK_H=block_h,
         num_warps=num_warps,
+        **pdl_launch_args(x.device),
     )
     return out, new_residual
 

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rotary import _rotate_heads, apply_rotary_cpu, apply_rotary_ref
 from batchgen.kernels.store_kv import store_kv_ref, to_cache_dtype
 
@@ -41,7 +42,9 @@ def _rope_store_kv_kernel(
     BLOCK_HQ: tl.constexpr,  # next power of 2 >= Hq
     BLOCK_HK: tl.constexpr,  # next power of 2 >= Hk
     BLOCK_HALF: tl.constexpr,  # next power of 2 >= D / 2
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_prior_kernels(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     slot = tl.load(out_slots_ptr + token).to(tl.int64)
@@ -107,6 +110,7 @@ def rope_store_kv_triton(
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=block_half,
         num_warps=4 if block_hq * block_half <= 2048 else 8,
+        **pdl_launch_args(q.device),
     )
 
 

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -18,7 +20,9 @@ def _silu_and_mul_kernel(
     out_stride_t,  # elements between two rows of out
     inter,  # I
     BLOCK: tl.constexpr,  # columns per program
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_prior_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -41,6 +45,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         inter,
         BLOCK=block,
         num_warps=4,
+        **pdl_launch_args(x.device),
     )
     return out
 

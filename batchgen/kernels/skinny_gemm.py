@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rmsnorm import add_rmsnorm_ref, rmsnorm_ref
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref
 
@@ -50,6 +51,33 @@ def _input_chunk(
     return x.to(tl.float32)
 
 
+@triton.jit
+def _weight_chunk(w_ptrs, k_ok, EVEN_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] of W at the columns k_ok marks valid (no mask when K % BLOCK_K == 0)."""
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _accumulate(
+    acc, w, x_ptr, x_stride_m, res_ptr, res_stride_m, norm_w_ptr, rstd, m, m_ok, k, K,
+    SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DEFER_SUM: tl.constexpr,
+):
+    """acc + the product of the input's columns k with W's chunk w: per lane [BLOCK_M, BLOCK_N,
+    BLOCK_K] (DEFER_SUM) or summed over the chunk [BLOCK_M, BLOCK_N]."""
+    x = _input_chunk(x_ptr, x_stride_m, res_ptr, res_stride_m, norm_w_ptr, rstd, m, m_ok, k, k < K, K,
+                     SILU_MUL, NORM, HAS_RESIDUAL)
+    prod = x[:, None, :] * w.to(tl.float32)[None, :, :]
+    if DEFER_SUM:  # (not an early return: Triton compiles the code after a constexpr if's return too)
+        acc += prod
+    else:
+        acc += tl.sum(prod, axis=2)
+    return acc
+
+
 @triton.jit(do_not_specialize=["eps"])
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K], or [M, 2K] gate/up when SILU_MUL
@@ -77,6 +105,7 @@ def _skinny_gemm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DEFER_SUM: tl.constexpr,  # keep [BLOCK_M, BLOCK_N, BLOCK_K] partials, sum once at the end
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,6 +113,10 @@ def _skinny_gemm_kernel(
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
     cols = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + w_rows[:, None] * w_stride_n + cols[None, :]
+    # W's first chunk is read while the kernel before may still run (PDL, kernels/pdl.py): a constant
+    first_w = _weight_chunk(w_ptrs, cols < K, EVEN_K)
+    wait_for_prior_kernels(PDL)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:  # every program reads the rows once more (from L2) for their statistics
         squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
@@ -99,26 +132,16 @@ def _skinny_gemm_kernel(
             xf = x.to(tl.float32)
             squares += xf * xf
         rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps)
-    w_ptrs = w_ptr + w_rows[:, None] * w_stride_n + cols[None, :]
     if DEFER_SUM:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + cols
-        k_ok = k < K
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        x = _input_chunk(x_ptr, x_stride_m, res_ptr, res_stride_m, norm_w_ptr, rstd, m, m_ok, k, k_ok, K,
-                         SILU_MUL, NORM, HAS_RESIDUAL)
-        prod = x[:, None, :] * w.to(tl.float32)[None, :, :]
-        if DEFER_SUM:
-            acc += prod
-        else:
-            acc += tl.sum(prod, axis=2)
-        w_ptrs += BLOCK_K
+    acc = _accumulate(acc, first_w, x_ptr, x_stride_m, res_ptr, res_stride_m, norm_w_ptr, rstd, m, m_ok, cols, K,
+                      SILU_MUL, NORM, HAS_RESIDUAL, DEFER_SUM)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = _weight_chunk(w_ptrs + k0, k0 + cols < K, EVEN_K)
+        acc = _accumulate(acc, w, x_ptr, x_stride_m, res_ptr, res_stride_m, norm_w_ptr, rstd, m, m_ok, k0 + cols, K,
+                          SILU_MUL, NORM, HAS_RESIDUAL, DEFER_SUM)
     if DEFER_SUM:
         y = tl.sum(acc, axis=2)
     else:
@@ -165,7 +188,7 @@ def _launch(x, weight, bias, out_dtype, tile, silu_mul=False, residual=None, nor
         M=num_rows, BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, DEFER_SUM=defer,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(x.device),
     )
     return y, new_residual
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.prefill_attention import _attend_keys
 from batchgen.kernels.store_kv import query_for_kv_dot
 
@@ -132,7 +133,9 @@ def _unified_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D (and >= 16)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    wait_for_prior_kernels(PDL)
     # The KV heads of one q block run side by side: they read neighbouring bytes of the same slots.
     program = tl.program_id(0)
     block = program // NUM_KV_HEADS  # q block, int32 like q_start
@@ -223,6 +226,7 @@ def _unified_attention_launch(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_launch_args(q.device),
     )
     return out
 
