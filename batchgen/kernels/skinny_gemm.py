@@ -12,6 +12,9 @@ gate/up projections, without the norm kernel before them).
     y[m, n] = sum_k x[m, k] * W[n, k]                   (plain)
     y[m, n] = sum_k silu(g[m, k]) * u[m, k] * W[n, k]   (SILU_MUL, g = x[:, :K], u = x[:, K:])
     y[m, n] = sum_k rmsnorm(x + r)[m, k] * W[n, k]       (NORM; rounded as kernels/rmsnorm.py rounds)
+
+W must be a constant (a weight): under programmatic dependent launch (kernels/pdl.py) each program
+reads its first chunk of W before waiting for the kernel before it.
 """
 from __future__ import annotations
 
