@@ -3,7 +3,7 @@
 GPU kernels by total time over steps 100-199 of the job, or over the whole job with --steps all
 (torch profiler).
 
-    python benchmarks/profile_step.py --model llama-3.2-1b --workload W-short [--kernels [--steps all]]
+    python benchmarks/profile_step.py --model llama-3.2-1b --workload W-short [--kernels [--steps all]] [-tp N]
 """
 from __future__ import annotations
 
@@ -30,11 +30,20 @@ def main(argv=None):
     ap.add_argument("--models-dir", default="/tmp/batchgen-bench-models")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--kernels", action="store_true", help="GPU kernel times instead of the host profile")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="profile rank 0 of a tensor-parallel engine (its host loop, or its GPU's kernels)")
     ap.add_argument("--steps", default="100:200", help="steps profiled with --kernels: FIRST:END or all")
     args = ap.parse_args(argv)
     model_dir = build_model(args.model, Path(args.models_dir))
     requests = make_requests(args.workload, MODELS[args.model][1]["vocab_size"])
-    llm = LLM(str(model_dir), dtype="bfloat16")
+    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        profile(llm, requests, args)
+    finally:
+        llm.close()  # (stops the tensor-parallel workers)
+
+
+def profile(llm, requests, args) -> None:
     params = SamplingParams(temperature=0.6, ignore_eos=True)
     llm.generate_list(requests[:2], params)
     if args.kernels:

@@ -202,6 +202,7 @@ def _decode_attention_launch(
     part_o = torch.empty((num_seqs, num_q_heads, 0 if direct else num_splits, head_dim), **f32)
     part_lse = torch.empty((num_seqs, num_q_heads, 0 if direct else num_splits), **f32)
     block_d = max(triton.next_power_of_2(head_dim), 16)
+    pdl = pdl_launch_args(q.device)
     _decode_split_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
@@ -220,7 +221,7 @@ def _decode_attention_launch(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
-        **pdl_launch_args(q.device),
+        **pdl,
     )
     if direct:
         return out
@@ -232,7 +233,7 @@ def _decode_attention_launch(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=1 if block_d <= 64 else 2,
-        **pdl_launch_args(q.device),
+        **pdl,
     )
     return out
 

@@ -127,11 +127,12 @@ def gumbel_argmax_triton(
     parts = triton.cdiv(vocab, part_size)  # (no empty part)
     part_max = torch.empty((rows, parts), dtype=torch.float32, device=logits.device)
     part_arg = torch.empty((rows, parts), dtype=torch.int64, device=logits.device)
+    pdl = pdl_launch_args(logits.device)
     _gumbel_argmax_parts_kernel[(rows, parts)](
         logits, logits.stride(0), temperatures, seeds, steps, part_max, part_arg,
-        vocab, part_size, parts, BLOCK=BLOCK, num_warps=4, **pdl_launch_args(logits.device),
+        vocab, part_size, parts, BLOCK=BLOCK, num_warps=4, **pdl,
     )
-    _argmax_of_parts_kernel[(rows,)](part_max, part_arg, out, parts, PARTS=MAX_PARTS, **pdl_launch_args(logits.device))
+    _argmax_of_parts_kernel[(rows,)](part_max, part_arg, out, parts, PARTS=MAX_PARTS, **pdl)
     return out
 
 

@@ -2,7 +2,7 @@
 
 A kernel launched with PDL may be put on the SMs while the kernel before it in the stream is still
 running, so its launch and start-up overlap that kernel's tail instead of following it. In a decode
-step of one sequence, ~150 small kernels run back to back and each such gap is a few microseconds
+step of one sequence, ~140 small kernels run back to back and each such gap is a few microseconds
 (benchmarks/KERNELS.md). The rules that keep it correct, for every kernel that takes PDL:
 
 - before `wait_for_prior_kernels(PDL)` (griddepcontrol.wait: the kernel before it has finished

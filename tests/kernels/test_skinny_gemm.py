@@ -24,8 +24,9 @@ TILES = [None, (4, 64, 4, 1, False)]
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_skinny_gemm(device, assert_close, dtype, m, n, k, silu_mul, bias, tile):
     torch.manual_seed(0)
-    x = torch.randn(m, 2 * k if silu_mul else k, dtype=dtype, device=device)
+    # W before x: the kernel just before a product must not write W (it reads W before its PDL wait)
     weight = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    x = torch.randn(m, 2 * k if silu_mul else k, dtype=dtype, device=device)
     b = torch.randn(n, dtype=dtype, device=device) if bias else None
     # fp32 sums in a different order: one rounding of the output, a little more for long K in fp32
     assert_close(skinny_gemm_triton(x, weight, b, silu_mul, tile=tile), skinny_gemm_ref(x, weight, b, silu_mul),
@@ -39,7 +40,8 @@ def test_fp32_output_and_strided_rows(device):
     weight = torch.randn(21, 48, device=device)
     got = skinny_gemm_triton(x, weight, out_dtype=torch.float32)
     torch.testing.assert_close(got, skinny_gemm_ref(x, weight, out_dtype=torch.float32), atol=1e-4, rtol=1e-5)
-    got16 = skinny_gemm_triton(x.to(torch.float16), weight.to(torch.float16), out_dtype=torch.float32)
+    weight16 = weight.to(torch.float16)  # (not the kernel just before the product: see skinny_gemm's docstring)
+    got16 = skinny_gemm_triton(x.to(torch.float16), weight16, out_dtype=torch.float32)
     assert got16.dtype == torch.float32  # an LM head's fp32 logits from 16-bit weights
 
 
