@@ -95,6 +95,7 @@ class ModelRunner:
         # every rank holds the same slots (its share of the heads): the pool is what the tightest rank fits
         self.kv = self._make_kv_cache(tp.min_over_ranks(self._num_kv_slots()))
         self.graphs = None
+        self._kept_sampling: KeptSampling | None = None  # the last step's sampling parameters (sampling_batch)
         if self.device.type == "cuda":
             warm_up(self)  # before any job's timing: every kernel specialization an eager step uses
             if config.cuda_graphs:
@@ -272,6 +273,10 @@ class ModelRunner:
         return self.model.compute_logits(self.model(fb))
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The samplers' parameters on the device. When the same sequences sample as in the step before,
+        each one token further, the device tensors of that step are kept and only their step counters
+        advance (one op instead of two staged copies: a lone sequence's decode is bound by such host
+        work)."""
         vocab = self.model_cfg.vocab_size
         params = [s.params for s in seqs]
         banned_rows, banned_ids = [], []
@@ -282,16 +287,24 @@ class ModelRunner:
         banned = self._stage([banned_rows, banned_ids], torch.int64) if banned_rows else (None, None)
         if all(p.greedy for p in params):  # argmax only: no per-row parameters needed
             return SamplingBatch(None, None, None, None, None, True, False, *banned)
+        generated = [s.num_generated for s in seqs]
+        kept = self._kept_sampling
+        if not banned_rows and kept is not None and kept.follows(seqs, generated):
+            kept.batch.steps.add_(1)  # (queued after the last step's sampling, which read the old values)
+            kept.generated = generated
+            return kept.batch
         top_ks, seeds, steps = self._stage(
-            [[p.top_k if p.top_k > 0 else vocab for p in params], [p.seed or 0 for p in params],
-             [s.num_generated for s in seqs]], torch.int64,
+            [[p.top_k if p.top_k > 0 else vocab for p in params], [p.seed or 0 for p in params], generated],
+            torch.int64,
         )
         temperatures, top_ps = self._stage([[p.temperature for p in params], [p.top_p for p in params]], torch.float32)
-        return SamplingBatch(
+        batch = SamplingBatch(
             temperatures=temperatures, top_ks=top_ks, top_ps=top_ps, seeds=seeds, steps=steps, all_greedy=False,
             use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             banned_rows=banned[0], banned_ids=banned[1],
         )
+        self._kept_sampling = None if banned_rows else KeptSampling(list(seqs), generated, batch)
+        return batch
 
     @torch.inference_mode()
     def launch_forward(self, inputs: StepInputs, previous: StepOutput | None) -> torch.Tensor:
@@ -373,6 +386,18 @@ class ModelRunner:
         if inputs.num_sampled == 0:
             return None
         return self.tp.broadcast(torch.empty(inputs.num_sampled, dtype=torch.int64, device=self.device))
+
+
+class KeptSampling:
+    """A step's sampling parameters on the device, and the sequences and token counts they were made for."""
+
+    def __init__(self, seqs: list[Sequence], generated: list[int], batch: SamplingBatch):
+        self.seqs, self.generated, self.batch = seqs, generated, batch
+
+    def follows(self, seqs: list[Sequence], generated: list[int]) -> bool:
+        """Whether seqs are these sequences, in this order, each with one token more."""
+        return (len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs))
+                and all(g == h + 1 for g, h in zip(generated, self.generated)))
 
 
 class StepOutput:

@@ -145,3 +145,48 @@ def test_stop_token_ids_min_tokens_and_ignore_eos(llm):
     assert stop_at not in r["output_token_ids"][: first + 2] and r["completion_tokens"] >= first + 2
     r = llm.generate_list([{**row, "stop_token_ids": [stop_at], "ignore_eos": True}], greedy)[0]
     assert r["finish_reason"] == "stop"  # ignore_eos drops EOS only, not explicit stop tokens
+
+
+def test_kept_sampling_parameters_give_the_tokens_of_fresh_ones(llm, monkeypatch):
+    """Steps whose samplers are the last step's sequences, one token further, keep that step's
+    parameters on the device and advance their step counters: the same tokens as parameters staged
+    afresh every step, through finishes, joins and a min_tokens ban."""
+    from batchgen.engine.runner import KeptSampling
+
+    rows = [{"id": i, "prompt_token_ids": list(range(2, 4 + i)), "seed": 10 + i, "max_tokens": 4 + 3 * i}
+            for i in range(5)]
+    rows[2]["min_tokens"] = 6
+    params = SamplingParams(temperature=0.9, top_k=20)
+    follows, kept = KeptSampling.follows, []
+    monkeypatch.setattr(KeptSampling, "follows", lambda self, *a: kept.append(follows(self, *a)) or kept[-1])
+    got = [r["output_token_ids"] for r in llm.generate_list(rows, params)]
+    assert kept.count(True) > 5 and kept.count(False) > 0  # both paths ran
+    monkeypatch.setattr(KeptSampling, "follows", lambda self, *a: False)
+    assert got == [r["output_token_ids"] for r in llm.generate_list(rows, params)]
+
+
+def test_kept_sampling_parameters_equal_staged_ones(llm):
+    from types import SimpleNamespace
+
+    runner = llm.engine.runner
+    seqs = [SimpleNamespace(params=SamplingParams(temperature=t, top_p=p, seed=s), num_generated=g, stop_ids=[0])
+            for t, p, s, g in [(0.7, 1.0, 3, 0), (1.3, 0.8, 4, 5)]]
+
+    def fields(sb):
+        return [sb.temperatures, sb.top_ks, sb.top_ps, sb.seeds, sb.steps]
+
+    first = runner.sampling_batch(seqs)
+    for s in seqs:
+        s.num_generated += 1
+    again = runner.sampling_batch(seqs)
+    assert again is first and again.steps.tolist() == [1, 6]
+    runner._kept_sampling = None
+    for got, want in zip(fields(again), fields(runner.sampling_batch(seqs))):
+        assert torch.equal(got, want)
+    seqs[0].num_generated += 2  # not one token further: staged afresh
+    fresh = runner.sampling_batch(seqs)
+    assert fresh is not first and fresh.steps.tolist() == [3, 6]
+    for s in seqs:
+        s.num_generated += 1
+    swapped = runner.sampling_batch(seqs[::-1])  # one token further, in another order: staged afresh
+    assert swapped is not fresh and swapped.steps.tolist() == [7, 4] and swapped.seeds.tolist() == [4, 3]
