@@ -132,8 +132,9 @@ class ModelGraphs:
         if kind == "decode":  # padding entries: the reserved row, a context of one token (its slot)
             self.seq_rows[:b].copy_(fb.decode_rows)
             self.kv_lens[:b].copy_(fb.decode_kv_lens)
-            self.seq_rows[b:size].fill_(self.kv.pad_row)
-            self.kv_lens[b:size].fill_(1)
+            if size > b:  # (an op on no elements still costs its host dispatch: a lone sequence's steps)
+                self.seq_rows[b:size].fill_(self.kv.pad_row)
+                self.kv_lens[b:size].fill_(1)
         else:  # padding sequences: no queries (q_start stays at n), no context
             self.logits_indices[:num_logits].copy_(fb.logits_indices)
             self.seq_rows[:b].copy_(fb.seq_rows)
