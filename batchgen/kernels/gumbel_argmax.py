@@ -155,9 +155,40 @@ def gumbel_argmax_ref(
     logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
 ) -> torch.Tensor:
     noisy = temperatures > 0
-    gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, logits.shape[-1])))
+    gumbel = _gumbel(uniform_noise(seeds, steps, logits.shape[-1]))
     scores = logits / torch.where(noisy, temperatures, 1.0)[:, None] + gumbel
     return torch.where(noisy, scores.argmax(dim=-1), logits.argmax(dim=-1))
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(u))
+
+
+# u is in [0.5, 2^23 - 0.5] / 2^23, so every noise value lies in [g(u_min), g(u_max)] (-2.8, 16.6):
+# a token whose scaled logit is more than that span (and a margin for rounding) below its row's
+# largest can never be the row's argmax.
+_NOISE_SPAN = (_gumbel(torch.tensor((2**23 - 0.5) / 2**23)) - _gumbel(torch.tensor(0.5 / 2**23))).item() + 1.0
+
+
+def gumbel_argmax_cpu(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """gumbel_argmax_ref's tokens, with the noise made only for the tokens that can win (those within
+    the noise's span of their row's best scaled logit): the hashing of the whole [S, V] noise was
+    most of a CPU job's sampling time. The same values, elementwise, as the reference's."""
+    noisy = temperatures > 0
+    scaled = logits / torch.where(noisy, temperatures, 1.0)[:, None]
+    best_scaled = scaled.amax(dim=-1)
+    if not torch.isfinite(best_scaled[noisy]).all():  # NaN, inf or all masked: as the reference does
+        return gumbel_argmax_ref(logits, temperatures, seeds, steps)
+    rows, cols = ((scaled >= (best_scaled - _NOISE_SPAN)[:, None]) & noisy[:, None]).nonzero(as_tuple=True)
+    key = hash32((seeds & _M32) ^ hash32(((seeds >> 32) & _M32) ^ hash32(steps & _M32)))  # as uniform_noise
+    bits = hash32(key[rows] ^ hash32(cols + _TOKEN_SALT)) >> 9
+    scores = scaled[rows, cols] + _gumbel((bits.float() + 0.5) * (1.0 / (1 << 23)))
+    best = torch.full_like(best_scaled, float("-inf")).scatter_reduce(0, rows, scores, "amax")
+    at_best = scores == best[rows]  # the first token at the row's maximum, as argmax takes it
+    first = torch.full_like(seeds, logits.shape[-1]).scatter_reduce(0, rows[at_best], cols[at_best], "amin")
+    return torch.where(noisy, first, logits.argmax(dim=-1))
 
 
 def gumbel_argmax(
@@ -167,4 +198,4 @@ def gumbel_argmax(
     token ids [S] int64."""
     if logits.is_cuda:
         return gumbel_argmax_triton(logits, temperatures, seeds, steps)
-    return gumbel_argmax_ref(logits, temperatures, seeds, steps)
+    return gumbel_argmax_cpu(logits, temperatures, seeds, steps)

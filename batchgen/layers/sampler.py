@@ -3,7 +3,8 @@
 Greedy rows take argmax. Other rows use the Gumbel-max trick with counter-based noise
 (kernels/gumbel_argmax.py): a request's samples depend only on its own seed and step, never on
 what else is in the batch. Top-k and top-p mask the logits (to -inf) first, judged on the
-temperature-scaled distribution.
+temperature-scaled distribution (equal logits in token order). On a CPU both look only at the
+tokens that can be chosen (mask_top_k_top_p_cpu, kernels/gumbel_argmax.gumbel_argmax_cpu).
 """
 from __future__ import annotations
 
@@ -14,20 +15,98 @@ import torch
 from batchgen.kernels.gumbel_argmax import gumbel_argmax
 
 
+TOP_RANKS_FIRST = 64  # ranks the CPU path looks at first; a row that keeps all of them looks at 4x as many
+
+
 def mask_top_k_top_p(
     logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
 ) -> torch.Tensor:
     """Keep each row's top_k largest logits, then the smallest prefix whose probability mass (at the
     row's temperature) reaches top_p; the rest become -inf. top_ks [S] (vocab size = off), top_ps
     [S] (1.0 = off)."""
+    if logits.is_cuda:  # (the CPU path decides on the host how far to look: no sync on a GPU)
+        return mask_top_k_top_p_sorted(logits, temperatures, top_ks, top_ps)
+    return mask_top_k_top_p_cpu(logits, temperatures, top_ks, top_ps)
+
+
+def mask_top_k_top_p_sorted(
+    logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
+) -> torch.Tensor:
+    """mask_top_k_top_p by sorting every row's whole vocabulary; equal logits in token order (a stable
+    sort), so that which of them a limit keeps does not depend on the sort."""
     scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_ks[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     dropped = torch.isinf(sorted_logits) | (mass_before >= top_ps[:, None])
     return logits.masked_fill(torch.zeros_like(dropped).scatter(-1, order, dropped), float("-inf"))
+
+
+def _largest(scaled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row, in the order of a stable descending sort (equal values in token
+    order): torch.topk, whose choice among values tied at the k-th place is redone by token id where
+    it left some out, then the k ordered by value, then id."""
+    values, ids = scaled.topk(k, dim=-1)
+    kth = values[:, -1:]
+    cut = (scaled == kth).sum(dim=-1) > (values == kth).sum(dim=-1)  # rows with tied values left out
+    if cut.any():
+        part, kth = scaled[cut], kth[cut]
+        above, tied = part > kth, part == kth
+        take = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
+        ids[cut] = take.nonzero()[:, 1].view(-1, k)
+    ids = ids.sort(dim=-1).values
+    values, where = scaled.gather(-1, ids).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(-1, where)
+
+
+def _log_sum_exp(x: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp over the last dim, [R, n] -> [R], without subnormal exponentials: a term below
+    e^-87 of its row's largest counts as e^-87 (nothing at fp32 precision, next to the largest's 1),
+    a masked one (-inf) as 0. Low temperatures spread the scaled logits so far that most of a row's
+    exponentials were subnormal, and logsumexp ran 20x slower on a CPU."""
+    top = x.amax(dim=-1, keepdim=True)
+    below = (x - torch.where(torch.isfinite(top), top, 0.0)).clamp(min=-87.0).masked_fill(x == float("-inf"), float("-inf"))
+    return (top + below.exp().sum(dim=-1, keepdim=True).log()).squeeze(-1)
+
+
+def mask_top_k_top_p_cpu(
+    logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
+) -> torch.Tensor:
+    """mask_top_k_top_p from each row's largest logits only, looking further in the rows that keep
+    all it looked at: sorting whole vocabularies was most of a CPU job's sampling time. Ties are
+    ordered as the sorted version orders them. The mass is normalised by the log-sum-exp of the
+    row's top_k (or whole row) rather than by a sum in sorted order, so a set can differ from the
+    sorted version's only where a token's mass before it is within rounding of top_p; rows with
+    neither limit keep every finite logit (the sorted version may drop a tail whose mass rounds to 1)."""
+    vocab = logits.shape[-1]
+    scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
+    if torch.isnan(scaled).any():  # (no order to speak of)
+        return mask_top_k_top_p_sorted(logits, temperatures, top_ks, top_ps)
+    top_ks = top_ks.clamp(max=vocab)
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    unlimited = (top_ps >= 1.0) & (top_ks >= vocab)
+    keep[unlimited] = torch.isfinite(logits[unlimited])
+    rows = (~unlimited).nonzero().squeeze(1)
+    # each row's normaliser from its own values alone (what else is in the batch changes nothing)
+    lse = _log_sum_exp(scaled)
+    for top_k in top_ks[rows].unique().tolist():
+        if top_k < vocab:
+            limited = rows[top_ks[rows] == top_k]
+            lse[limited] = _log_sum_exp(_largest(scaled[limited], top_k)[0])
+    k = min(vocab, max([TOP_RANKS_FIRST] + [t for t in top_ks[rows].tolist() if t < vocab]))
+    while rows.numel():
+        values, order = _largest(scaled[rows], k)
+        ks = top_ks[rows]
+        probs = (values - lse[rows][:, None]).exp()
+        kept = (torch.arange(k)[None, :] < ks[:, None]) & torch.isfinite(values)
+        kept &= probs.cumsum(dim=-1) - probs < top_ps[rows][:, None]
+        done = ~kept[:, -1] | (ks <= k) | (k == vocab)  # the kept prefix ends among the ranks looked at
+        keep[rows[done]] = torch.zeros((int(done.sum()), vocab), dtype=torch.bool).scatter(-1, order[done], kept[done])
+        rows = rows[~done]
+        k = min(vocab, 4 * k)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 @dataclass

@@ -190,3 +190,43 @@ def test_kept_sampling_parameters_equal_staged_ones(llm):
         s.num_generated += 1
     swapped = runner.sampling_batch(seqs[::-1])  # one token further, in another order: staged afresh
     assert swapped is not fresh and swapped.steps.tolist() == [7, 4] and swapped.seeds.tolist() == [4, 3]
+
+
+def test_cpu_top_k_top_p_keeps_the_sorted_versions_sets():
+    """The CPU path (largest logits only, further where a row keeps them all) against sorting whole
+    rows: the same sets where top_p < 1, the nuclei of flat rows included (several looks) and ties
+    (logits rounded to bf16) taken in token order; where top_p is 1 the sorted version may also drop
+    a tail whose mass rounds to 1, nothing else; a row's set does not depend on the rest of the batch."""
+    from batchgen.layers.sampler import mask_top_k_top_p_cpu, mask_top_k_top_p_sorted
+
+    top_ks = torch.tensor([3001, 5, 64, 70, 200, 3001, 3001, 1, 3001, 10, 3001, 2000])
+    top_ps = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.99, 0.3, 0.999, 0.7, 1.0, 1.0, 0.05, 0.8])
+    for seed in range(10):
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(12, 3001, generator=g) * 3
+        if seed % 2:
+            logits = logits.bfloat16().float()  # ties, as a bf16 model's logits have them
+        logits[0, ::3] = float("-inf")  # masked entries (a grammar)
+        temperatures = torch.rand(12, generator=g) * 4 + 0.05  # up to flat rows: nuclei of thousands
+        temperatures[1] = 0.0
+        got = mask_top_k_top_p_cpu(logits, temperatures, top_ks, top_ps).isfinite()
+        want = mask_top_k_top_p_sorted(logits, temperatures, top_ks, top_ps).isfinite()
+        limited = top_ps < 1
+        assert torch.equal(got[limited], want[limited])
+        assert (want[~limited] <= got[~limited]).all()
+        assert torch.equal(got[8], logits[8].isfinite()) and got[9].sum() == 10
+        for i in (2, 4, 11):
+            alone = mask_top_k_top_p_cpu(logits[i : i + 1], temperatures[i : i + 1], top_ks[i : i + 1],
+                                         top_ps[i : i + 1]).isfinite()
+            assert torch.equal(alone[0], got[i])
+
+
+def test_log_sum_exp_without_subnormals_matches_torch():
+    from batchgen.layers.sampler import _log_sum_exp
+
+    x = torch.randn(5, 4000, generator=torch.Generator().manual_seed(3)) * torch.tensor([1.0, 30, 300, 3000, 1])[:, None]
+    x[1, ::2] = float("-inf")  # masked entries
+    x[4] = float("-inf")  # a row masked entirely
+    got, want = _log_sum_exp(x), torch.logsumexp(x, dim=-1)
+    assert got[4] == want[4] == float("-inf")
+    torch.testing.assert_close(got[:4], want[:4], rtol=1e-6, atol=0)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from batchgen.kernels.gumbel_argmax import gumbel_argmax_ref, gumbel_argmax_triton
+from batchgen.kernels.gumbel_argmax import gumbel_argmax_cpu, gumbel_argmax_ref, gumbel_argmax_triton
 
 # (rows, vocab): one row, a vocabulary not a multiple of the block, several blocks; real vocabularies
 # on the GPU.
@@ -85,3 +85,20 @@ def test_the_noise_is_finite_for_every_token(device, masked):
     for fn in (gumbel_argmax_ref, gumbel_argmax_triton):
         token = fn(*args).item()
         assert token != TOP_NOISE_TOKEN and (token == 7 or not masked)
+
+
+@pytest.mark.parametrize("scale", [0.02, 1.0, 5.0, 100.0])  # temperatures x 0.3..1.3: from noise-dominated to peaked
+def test_cpu_path_gives_the_reference_tokens(scale):
+    """Noise made only for the tokens that can win: exactly the reference's tokens, across 400 rows, with
+    masked entries, greedy rows, ties, a row masked but for one token and a row masked entirely."""
+    for seed in range(20):
+        logits, temperatures, seeds, steps = inputs(20, 3001, "cpu", seed=seed)
+        temperatures *= scale
+        logits[1, ::2] = float("-inf")
+        logits[2, 5:9] = logits[2].max()  # a tie at the top
+        logits[3, :] = float("-inf")
+        logits[3, 1234] = 0.0
+        if seed % 5 == 0:
+            logits[4, :] = float("-inf")  # nothing allowed: the reference's answer (token 0)
+        assert torch.equal(gumbel_argmax_cpu(logits, temperatures, seeds, steps),
+                           gumbel_argmax_ref(logits, temperatures, seeds, steps))
