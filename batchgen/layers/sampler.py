@@ -40,14 +40,18 @@ def mask_top_k_top_p_sorted(
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_ks[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    dropped = torch.isinf(sorted_logits) | (mass_before >= top_ps[:, None])
+    # (top_p 1 is off: a tail whose mass before it rounds to 1 stays)
+    dropped = torch.isinf(sorted_logits) | ((mass_before >= top_ps[:, None]) & (top_ps < 1.0)[:, None])
     return logits.masked_fill(torch.zeros_like(dropped).scatter(-1, order, dropped), float("-inf"))
 
 
 def _largest(scaled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of each row, in the order of a stable descending sort (equal values in token
     order): torch.topk, whose choice among values tied at the k-th place is redone by token id where
-    it left some out, then the k ordered by value, then id."""
+    it left some out, then the k ordered by value, then id. (A stable sort where k nears the row.)"""
+    if 4 * k >= scaled.shape[-1]:
+        values, ids = scaled.sort(dim=-1, descending=True, stable=True)
+        return values[:, :k], ids[:, :k]
     values, ids = scaled.topk(k, dim=-1)
     kth = values[:, -1:]
     cut = (scaled == kth).sum(dim=-1) > (values == kth).sum(dim=-1)  # rows with tied values left out
@@ -61,50 +65,52 @@ def _largest(scaled: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, ids.gather(-1, where)
 
 
-def _log_sum_exp(x: torch.Tensor) -> torch.Tensor:
-    """torch.logsumexp over the last dim, [R, n] -> [R], without subnormal exponentials: a term below
-    e^-87 of its row's largest counts as e^-87 (nothing at fp32 precision, next to the largest's 1),
-    a masked one (-inf) as 0. Low temperatures spread the scaled logits so far that most of a row's
-    exponentials were subnormal, and logsumexp ran 20x slower on a CPU."""
+def _log_normaliser(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top, log_sum), [R, n] -> two [R]: logsumexp(x) = top + log_sum, top the row's largest (0 if it
+    is not finite), so that probabilities exp((x - top) - log_sum) keep fp32 precision however large
+    the logits. Without subnormal exponentials: a term below e^-87 of the largest counts as e^-87
+    (nothing at fp32 precision next to the largest's 1), a masked one (-inf) as 0; low temperatures
+    spread the scaled logits so far that most exponentials were subnormal, 20x slower on a CPU."""
     top = x.amax(dim=-1, keepdim=True)
-    below = (x - torch.where(torch.isfinite(top), top, 0.0)).clamp(min=-87.0).masked_fill(x == float("-inf"), float("-inf"))
-    return (top + below.exp().sum(dim=-1, keepdim=True).log()).squeeze(-1)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    below = (x - top).clamp(min=-87.0).masked_fill(x == float("-inf"), float("-inf"))
+    return top.squeeze(-1), below.exp().sum(dim=-1).log()
 
 
 def mask_top_k_top_p_cpu(
     logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
 ) -> torch.Tensor:
-    """mask_top_k_top_p from each row's largest logits only, looking further in the rows that keep
-    all it looked at: sorting whole vocabularies was most of a CPU job's sampling time. Ties are
-    ordered as the sorted version orders them. The mass is normalised by the log-sum-exp of the
-    row's top_k (or whole row) rather than by a sum in sorted order, so a set can differ from the
-    sorted version's only where a token's mass before it is within rounding of top_p; rows with
-    neither limit keep every finite logit (the sorted version may drop a tail whose mass rounds to 1)."""
+    """mask_top_k_top_p from each row's largest logits only (TOP_RANKS_FIRST, then 4x as many in the
+    rows that keep all it looked at): sorting whole vocabularies was most of a CPU job's sampling
+    time. Ties are ordered as the sorted version orders them. The mass is normalised by the row's
+    (or its top_k's) log-sum-exp rather than summed in sorted order, so a set can differ from the
+    sorted version's only where a token's mass before it is within fp32 rounding of top_p."""
     vocab = logits.shape[-1]
     scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
-    if torch.isnan(scaled).any():  # (no order to speak of)
+    if torch.isnan(scaled).any() or torch.isposinf(scaled).any():  # (no order or no mass to speak of)
         return mask_top_k_top_p_sorted(logits, temperatures, top_ks, top_ps)
     top_ks = top_ks.clamp(max=vocab)
     keep = torch.zeros_like(logits, dtype=torch.bool)
     unlimited = (top_ps >= 1.0) & (top_ks >= vocab)
     keep[unlimited] = torch.isfinite(logits[unlimited])
     rows = (~unlimited).nonzero().squeeze(1)
-    # each row's normaliser from its own values alone (what else is in the batch changes nothing)
-    lse = _log_sum_exp(scaled)
-    for top_k in top_ks[rows].unique().tolist():
+    # each row's normaliser from its own values (what else is in the batch changes nothing)
+    tops, sums = _log_normaliser(scaled[rows])
+    row_ks = top_ks[rows]
+    for top_k in row_ks.unique().tolist():
         if top_k < vocab:
-            limited = rows[top_ks[rows] == top_k]
-            lse[limited] = _log_sum_exp(_largest(scaled[limited], top_k)[0])
-    k = min(vocab, max([TOP_RANKS_FIRST] + [t for t in top_ks[rows].tolist() if t < vocab]))
+            limited = row_ks == top_k
+            tops[limited], sums[limited] = _log_normaliser(scaled[rows[limited]].topk(top_k, dim=-1).values)
+    k = min(vocab, TOP_RANKS_FIRST)
     while rows.numel():
         values, order = _largest(scaled[rows], k)
         ks = top_ks[rows]
-        probs = (values - lse[rows][:, None]).exp()
+        probs = ((values - tops[:, None]) - sums[:, None]).exp()
         kept = (torch.arange(k)[None, :] < ks[:, None]) & torch.isfinite(values)
-        kept &= probs.cumsum(dim=-1) - probs < top_ps[rows][:, None]
+        kept &= (probs.cumsum(dim=-1) - probs < top_ps[rows][:, None]) | (top_ps[rows] >= 1.0)[:, None]
         done = ~kept[:, -1] | (ks <= k) | (k == vocab)  # the kept prefix ends among the ranks looked at
         keep[rows[done]] = torch.zeros((int(done.sum()), vocab), dtype=torch.bool).scatter(-1, order[done], kept[done])
-        rows = rows[~done]
+        rows, tops, sums = rows[~done], tops[~done], sums[~done]
         k = min(vocab, 4 * k)
     return logits.masked_fill(~keep, float("-inf"))
 

@@ -194,9 +194,8 @@ def test_kept_sampling_parameters_equal_staged_ones(llm):
 
 def test_cpu_top_k_top_p_keeps_the_sorted_versions_sets():
     """The CPU path (largest logits only, further where a row keeps them all) against sorting whole
-    rows: the same sets where top_p < 1, the nuclei of flat rows included (several looks) and ties
-    (logits rounded to bf16) taken in token order; where top_p is 1 the sorted version may also drop
-    a tail whose mass rounds to 1, nothing else; a row's set does not depend on the rest of the batch."""
+    rows: the same sets, the nuclei of flat rows included (several looks) and ties (logits rounded to
+    bf16) taken in token order; a row's set does not depend on the rest of the batch."""
     from batchgen.layers.sampler import mask_top_k_top_p_cpu, mask_top_k_top_p_sorted
 
     top_ks = torch.tensor([3001, 5, 64, 70, 200, 3001, 3001, 1, 3001, 10, 3001, 2000])
@@ -211,9 +210,7 @@ def test_cpu_top_k_top_p_keeps_the_sorted_versions_sets():
         temperatures[1] = 0.0
         got = mask_top_k_top_p_cpu(logits, temperatures, top_ks, top_ps).isfinite()
         want = mask_top_k_top_p_sorted(logits, temperatures, top_ks, top_ps).isfinite()
-        limited = top_ps < 1
-        assert torch.equal(got[limited], want[limited])
-        assert (want[~limited] <= got[~limited]).all()
+        assert torch.equal(got, want)
         assert torch.equal(got[8], logits[8].isfinite()) and got[9].sum() == 10
         for i in (2, 4, 11):
             alone = mask_top_k_top_p_cpu(logits[i : i + 1], temperatures[i : i + 1], top_ks[i : i + 1],
@@ -221,12 +218,26 @@ def test_cpu_top_k_top_p_keeps_the_sorted_versions_sets():
             assert torch.equal(alone[0], got[i])
 
 
-def test_log_sum_exp_without_subnormals_matches_torch():
-    from batchgen.layers.sampler import _log_sum_exp
+def test_cpu_top_k_top_p_edges():
+    """Large logits (the normaliser's rounding must not move the nucleus), top_k alone (top_p 1 keeps
+    all k), and a temperature so small that the scaled logits overflow (as the sorted version does)."""
+    from batchgen.layers.sampler import mask_top_k_top_p_cpu, mask_top_k_top_p_sorted
+
+    logits = torch.tensor([[1250.906982421875, 1248.7099609375, -1e4, -1e4]] * 3)  # p0 = 0.89998 < top_p
+    temperatures = torch.tensor([1.0, 0.3, 1e-40])
+    args = (logits, temperatures, torch.tensor([3, 3, 4]), torch.tensor([0.9, 1.0, 0.9]))
+    got, want = mask_top_k_top_p_cpu(*args).isfinite(), mask_top_k_top_p_sorted(*args).isfinite()
+    assert got[0].tolist() == [True, True, False, False] and got[1].tolist() == [True, True, True, False]
+    assert torch.equal(got, want)
+
+
+def test_log_normaliser_without_subnormals_matches_torch():
+    from batchgen.layers.sampler import _log_normaliser
 
     x = torch.randn(5, 4000, generator=torch.Generator().manual_seed(3)) * torch.tensor([1.0, 30, 300, 3000, 1])[:, None]
     x[1, ::2] = float("-inf")  # masked entries
     x[4] = float("-inf")  # a row masked entirely
-    got, want = _log_sum_exp(x), torch.logsumexp(x, dim=-1)
-    assert got[4] == want[4] == float("-inf")
-    torch.testing.assert_close(got[:4], want[:4], rtol=1e-6, atol=0)
+    top, log_sum = _log_normaliser(x)
+    want = torch.logsumexp(x, dim=-1)
+    assert top[4] + log_sum[4] == want[4] == float("-inf")
+    torch.testing.assert_close(top[:4] + log_sum[:4], want[:4], rtol=1e-6, atol=0)
