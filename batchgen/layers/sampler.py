@@ -15,7 +15,7 @@ import torch
 from batchgen.kernels.gumbel_argmax import gumbel_argmax
 
 
-TOP_RANKS_FIRST = 64  # ranks the CPU path looks at first; a row that keeps all of them looks at 4x as many
+TOP_RANKS_FIRST = 64  # ranks the CPU path looks at; a row they do not settle is sorted whole
 
 
 def mask_top_k_top_p(
@@ -80,38 +80,42 @@ def _log_normaliser(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def mask_top_k_top_p_cpu(
     logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
 ) -> torch.Tensor:
-    """mask_top_k_top_p from each row's largest logits only (TOP_RANKS_FIRST, then 4x as many in the
-    rows that keep all it looked at): sorting whole vocabularies was most of a CPU job's sampling
-    time. Ties are ordered as the sorted version orders them. The mass is normalised by the row's
-    (or its top_k's) log-sum-exp rather than summed in sorted order, so a set can differ from the
-    sorted version's only where a token's mass before it is within fp32 rounding of top_p."""
+    """mask_top_k_top_p from each row's TOP_RANKS_FIRST largest logits, where that settles the row
+    (its top_k is at most that, or its nucleus closes within them); the other rows through the sorted
+    version. Sorting whole vocabularies was most of a CPU job's sampling time. Ties are ordered as the
+    sorted version orders them. The mass is normalised by the row's (or its top_k's) log-sum-exp
+    rather than summed in sorted order, so a set can differ from the sorted version's only where a
+    token's mass before it is within fp32 rounding of top_p."""
     vocab = logits.shape[-1]
     scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
     if torch.isnan(scaled).any() or torch.isposinf(scaled).any():  # (no order or no mass to speak of)
         return mask_top_k_top_p_sorted(logits, temperatures, top_ks, top_ps)
     top_ks = top_ks.clamp(max=vocab)
+    k = min(vocab, TOP_RANKS_FIRST)
     keep = torch.zeros_like(logits, dtype=torch.bool)
     unlimited = (top_ps >= 1.0) & (top_ks >= vocab)
     keep[unlimited] = torch.isfinite(logits[unlimited])
-    rows = (~unlimited).nonzero().squeeze(1)
-    # each row's normaliser from its own values (what else is in the batch changes nothing)
-    tops, sums = _log_normaliser(scaled[rows])
-    row_ks = top_ks[rows]
-    for top_k in row_ks.unique().tolist():
-        if top_k < vocab:
-            limited = row_ks == top_k
-            tops[limited], sums[limited] = _log_normaliser(scaled[rows[limited]].topk(top_k, dim=-1).values)
-    k = min(vocab, TOP_RANKS_FIRST)
-    while rows.numel():
-        values, order = _largest(scaled[rows], k)
-        ks = top_ks[rows]
-        probs = ((values - tops[:, None]) - sums[:, None]).exp()
-        kept = (torch.arange(k)[None, :] < ks[:, None]) & torch.isfinite(values)
-        kept &= (probs.cumsum(dim=-1) - probs < top_ps[rows][:, None]) | (top_ps[rows] >= 1.0)[:, None]
-        done = ~kept[:, -1] | (ks <= k) | (k == vocab)  # the kept prefix ends among the ranks looked at
-        keep[rows[done]] = torch.zeros((int(done.sum()), vocab), dtype=torch.bool).scatter(-1, order[done], kept[done])
-        rows, tops, sums = rows[~done], tops[~done], sums[~done]
-        k = min(vocab, 4 * k)
+    rows = (~unlimited & ((top_ks <= k) | (top_ks >= vocab))).nonzero().squeeze(1)  # settled by one look, maybe
+    values, order = _largest(scaled[rows], k)
+    ks, ps = top_ks[rows], top_ps[rows]
+    in_top_k = torch.arange(k)[None, :] < ks[:, None]
+    # each row's normaliser from its own values (what else is in the batch changes nothing): the whole
+    # row's, or its top_k's (at most k: among the values looked at)
+    tops, sums = torch.zeros(rows.numel()), torch.zeros(rows.numel())
+    whole = ks >= vocab
+    if whole.any():
+        tops[whole], sums[whole] = _log_normaliser(scaled[rows[whole]])
+    if (~whole).any():
+        tops[~whole], sums[~whole] = _log_normaliser(values[~whole].masked_fill(~in_top_k[~whole], float("-inf")))
+    probs = ((values - tops[:, None]) - sums[:, None]).exp()
+    kept = in_top_k & torch.isfinite(values) & ((probs.cumsum(dim=-1) - probs < ps[:, None]) | (ps >= 1.0)[:, None])
+    done = ~kept[:, -1] | (ks <= k) | (k == vocab)  # the kept prefix ends among the ranks looked at
+    keep[rows[done]] = torch.zeros((int(done.sum()), vocab), dtype=torch.bool).scatter(-1, order[done], kept[done])
+    rest = torch.ones_like(unlimited)
+    rest[unlimited] = False
+    rest[rows[done]] = False
+    if rest.any():
+        keep[rest] = mask_top_k_top_p_sorted(logits[rest], temperatures[rest], top_ks[rest], top_ps[rest]).isfinite()
     return logits.masked_fill(~keep, float("-inf"))
 
 

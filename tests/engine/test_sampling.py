@@ -193,9 +193,9 @@ def test_kept_sampling_parameters_equal_staged_ones(llm):
 
 
 def test_cpu_top_k_top_p_keeps_the_sorted_versions_sets():
-    """The CPU path (largest logits only, further where a row keeps them all) against sorting whole
-    rows: the same sets, the nuclei of flat rows included (several looks) and ties (logits rounded to
-    bf16) taken in token order; a row's set does not depend on the rest of the batch."""
+    """The CPU path (the largest logits only where they settle a row, else a sort) against sorting
+    whole rows: the same sets, flat rows and large top_k included, ties (logits rounded to bf16) taken
+    in token order; a row's set does not depend on the rest of the batch."""
     from batchgen.layers.sampler import mask_top_k_top_p_cpu, mask_top_k_top_p_sorted
 
     top_ks = torch.tensor([3001, 5, 64, 70, 200, 3001, 3001, 1, 3001, 10, 3001, 2000])
