@@ -111,8 +111,7 @@ def mask_top_k_top_p_cpu(
     kept = in_top_k & torch.isfinite(values) & ((probs.cumsum(dim=-1) - probs < ps[:, None]) | (ps >= 1.0)[:, None])
     done = ~kept[:, -1] | (ks <= k) | (k == vocab)  # the kept prefix ends among the ranks looked at
     keep[rows[done]] = torch.zeros((int(done.sum()), vocab), dtype=torch.bool).scatter(-1, order[done], kept[done])
-    rest = torch.ones_like(unlimited)
-    rest[unlimited] = False
+    rest = ~unlimited
     rest[rows[done]] = False
     if rest.any():
         keep[rest] = mask_top_k_top_p_sorted(logits[rest], temperatures[rest], top_ks[rest], top_ps[rest]).isfinite()
