@@ -143,20 +143,33 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[S] int64 seeds and steps -> each row's key, as the kernel mixes it."""
+    return hash32((seeds & _M32) ^ hash32(((seeds >> 32) & _M32) ^ hash32(steps & _M32)))
+
+
+def _uniform_at(row_keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """u in (0, 1), fp32, of the rows' keys at these token ids (broadcast): 23 random bits + 0.5."""
+    bits = hash32(row_keys ^ hash32(token_ids + _TOKEN_SALT)) >> 9
+    return (bits.float() + 0.5) * (1.0 / (1 << 23))
+
+
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """u in (0, 1), [S, V] fp32, a pure function of (seed, step, token id)."""
-    key = hash32((seeds & _M32) ^ hash32(((seeds >> 32) & _M32) ^ hash32(steps & _M32)))  # [S]
-    token_key = hash32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) + _TOKEN_SALT)
-    bits = hash32(key[:, None] ^ token_key[None, :]) >> 9  # 23 random bits
-    return (bits.float() + 0.5) * (1.0 / (1 << 23))
+    token_ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    return _uniform_at(_row_keys(seeds, steps)[:, None], token_ids[None, :])
+
+
+def temperature_scaled(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] / temperatures [S]; greedy rows (temperature 0) as they are."""
+    return logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
 
 
 def gumbel_argmax_ref(
     logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
 ) -> torch.Tensor:
     noisy = temperatures > 0
-    gumbel = _gumbel(uniform_noise(seeds, steps, logits.shape[-1]))
-    scores = logits / torch.where(noisy, temperatures, 1.0)[:, None] + gumbel
+    scores = temperature_scaled(logits, temperatures) + _gumbel(uniform_noise(seeds, steps, logits.shape[-1]))
     return torch.where(noisy, scores.argmax(dim=-1), logits.argmax(dim=-1))
 
 
@@ -177,18 +190,16 @@ def gumbel_argmax_cpu(
     the noise's span of their row's best scaled logit): the hashing of the whole [S, V] noise was
     most of a CPU job's sampling time. The same values, elementwise, as the reference's."""
     noisy = temperatures > 0
-    scaled = logits / torch.where(noisy, temperatures, 1.0)[:, None]
+    scaled = temperature_scaled(logits, temperatures)
     best_scaled = scaled.amax(dim=-1)
     if not torch.isfinite(best_scaled[noisy]).all():  # NaN, inf or all masked: as the reference does
         return gumbel_argmax_ref(logits, temperatures, seeds, steps)
     rows, cols = ((scaled >= (best_scaled - _NOISE_SPAN)[:, None]) & noisy[:, None]).nonzero(as_tuple=True)
-    key = hash32((seeds & _M32) ^ hash32(((seeds >> 32) & _M32) ^ hash32(steps & _M32)))  # as uniform_noise
-    bits = hash32(key[rows] ^ hash32(cols + _TOKEN_SALT)) >> 9
-    scores = scaled[rows, cols] + _gumbel((bits.float() + 0.5) * (1.0 / (1 << 23)))
+    scores = scaled[rows, cols] + _gumbel(_uniform_at(_row_keys(seeds, steps)[rows], cols))
     best = torch.full_like(best_scaled, float("-inf")).scatter_reduce(0, rows, scores, "amax")
     at_best = scores == best[rows]  # the first token at the row's maximum, as argmax takes it
     first = torch.full_like(seeds, logits.shape[-1]).scatter_reduce(0, rows[at_best], cols[at_best], "amin")
-    return torch.where(noisy, first, logits.argmax(dim=-1))
+    return first if noisy.all() else torch.where(noisy, first, logits.argmax(dim=-1))
 
 
 def gumbel_argmax(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.gumbel_argmax import gumbel_argmax
+from batchgen.kernels.gumbel_argmax import gumbel_argmax, temperature_scaled
 
 
 TOP_RANKS_FIRST = 64  # ranks the CPU path looks at; a row they do not settle is sorted whole
@@ -34,7 +34,7 @@ def mask_top_k_top_p_sorted(
 ) -> torch.Tensor:
     """mask_top_k_top_p by sorting every row's whole vocabulary; equal logits in token order (a stable
     sort), so that which of them a limit keeps does not depend on the sort."""
-    scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
+    scaled = temperature_scaled(logits, temperatures)
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_ks[:, None], float("-inf"))
@@ -87,7 +87,7 @@ def mask_top_k_top_p_cpu(
     rather than summed in sorted order, so a set can differ from the sorted version's only where a
     token's mass before it is within fp32 rounding of top_p."""
     vocab = logits.shape[-1]
-    scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
+    scaled = temperature_scaled(logits, temperatures)
     if torch.isnan(scaled).any() or torch.isposinf(scaled).any():  # (no order or no mass to speak of)
         return mask_top_k_top_p_sorted(logits, temperatures, top_ks, top_ps)
     top_ks = top_ks.clamp(max=vocab)
