@@ -2,7 +2,10 @@
 launches from Python. Two ladders, all graphs sharing one memory pool:
 
 - decode graphs, one per batch size (1, 2, 4, 8, 16, 32, ..., max_num_seqs), for decode-only steps:
-  the split-KV decode attention kernel, which spreads long contexts over the GPU;
+  the split-KV decode attention kernel, which spreads long contexts over the GPU. A decode graph
+  starts from the step's packed inputs (engine/step_inputs.py), which the host copies to a static
+  buffer in one copy: its first kernel (kernels/unpack_decode.py) writes the static inputs, the
+  pending tokens from the step in flight (`last_tokens`) and the token table;
 - step graphs, one per padded token count (64, 128, ..., max_num_batched_tokens), for steps that
   carry prefill chunks (mixed or prefill-only): one unified attention launch per layer serves the
   decode and prefill queries alike from device-side metadata (docs/STEP.md).
@@ -19,7 +22,9 @@ from __future__ import annotations
 import torch
 
 from batchgen.engine.kv_cache import KVCache
+from batchgen.engine.step_inputs import FIELDS, HEADER, SCALARS
 from batchgen.forward.batch import ForwardBatch
+from batchgen.kernels.unpack_decode import unpack_decode
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -60,6 +65,10 @@ class ModelGraphs:
         self.seq_rows = torch.full((max_num_seqs,), kv.pad_row, **i32)
         self.kv_lens = torch.ones(max_num_seqs, **i32)
         self.q_start = torch.zeros(max_num_seqs + 1, **i32)
+        # decode graphs: a decode-only step's packed inputs (at most len(FIELDS) + 1 values a sequence;
+        # zeros read as an empty step), and the tokens of the step in flight
+        self.packed = torch.zeros(HEADER + len(FIELDS) * (max_num_seqs + 1), **i64)
+        self.last_tokens = torch.zeros(max_num_seqs, **i64)
         self.device, self.model = device, model
         self.batches = {(kind, n): self._static_batch(kind, n)
                         for kind, sizes in (("step", self.step_sizes), ("decode", self.decode_sizes)) for n in sizes}
@@ -70,14 +79,22 @@ class ModelGraphs:
     def _capture(self) -> None:
         pool = None
         for key in sorted(self.batches, key=lambda k: -k[1]):  # largest first: the rest reuse its memory
-            fb = self.batches[key]
-            self.model(fb)  # warm-up outside the capture: compiles kernels, creates library handles
+            self._forward(key)  # warm-up outside the capture: compiles kernels, creates library handles
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(fb)
+                hidden = self._forward(key)
             pool = graph.pool()
             self.graphs[key] = (graph, hidden)
         torch.cuda.synchronize(self.device)
+
+    def _forward(self, key: tuple[str, int]) -> torch.Tensor:
+        """What a graph holds: for a decode graph, the unpacking of the packed inputs first."""
+        fb = self.batches[key]
+        if key[0] == "decode":
+            unpack_decode(self.packed, self.last_tokens, fb.input_ids, fb.positions, fb.out_slots, fb.decode_rows,
+                          fb.decode_kv_lens, self.kv.req_to_token, self.kv.pad_slot, self.kv.pad_row, len(SCALARS),
+                          FIELDS)
+        return self.model(fb)
 
     def _static_batch(self, kind: str, n: int) -> ForwardBatch:
         """The batch a graph of this kind and size is captured on: views of the static buffers."""
@@ -102,14 +119,24 @@ class ModelGraphs:
             unified=True, seq_rows=self.seq_rows, q_start=self.q_start, kv_lens=self.kv_lens,
         )
 
+    def decode_key(self, num_decode: int) -> tuple[str, int] | None:
+        """The decode graph of a decode-only step of num_decode sequences, or None (eager)."""
+        size = next((s for s in self.decode_sizes if s >= num_decode), None)
+        return ("decode", size) if self.batches and size is not None and num_decode > 0 else None
+
+    def run_decode(self, key: tuple[str, int], num_decode: int) -> torch.Tensor:
+        """Replay the decode graph `key` on the step whose packed inputs are in self.packed -> hidden
+        states [num_decode, H] (a view of the graph's output, valid until the next replay)."""
+        if key not in self.graphs:  # not captured: the same padded batch, eagerly
+            return self._forward(key)[:num_decode]
+        graph, hidden = self.graphs[key]
+        graph.replay()
+        return hidden[:num_decode]
+
     def pick(self, fb: ForwardBatch, num_logits: int) -> tuple[str, int] | None:
-        """The graph that runs this batch, or None (eager)."""
-        if not self.batches:
+        """The step graph that runs this batch (one with prefill chunks), or None (eager)."""
+        if not self.batches or fb.num_prefill == 0:
             return None
-        if fb.num_prefill == 0:
-            n = fb.num_decode
-            size = next((s for s in self.decode_sizes if s >= n), None)
-            return ("decode", size) if size is not None and n > 0 else None
         num_tokens = fb.input_ids.shape[0]
         size = next((s for s in self.step_sizes if s >= num_tokens), None)
         if size is None or num_logits > min(size, self.max_num_seqs) or fb.num_seqs > self.max_num_seqs:
@@ -117,9 +144,9 @@ class ModelGraphs:
         return ("step", size)
 
     def run(self, fb: ForwardBatch, key: tuple[str, int]) -> torch.Tensor:
-        """Replay the graph `key` (from pick) on fb -> hidden states [S, H] of fb's logits rows (a view
-        of the graph's output, valid until the next replay)."""
-        kind, size = key
+        """Replay the step graph `key` (from pick) on fb -> hidden states [S, H] of fb's logits rows (a
+        view of the graph's output, valid until the next replay)."""
+        size = key[1]
         n = fb.input_ids.shape[0]
         self.input_ids[:n].copy_(fb.input_ids)
         self.positions[:n].copy_(fb.positions)
@@ -128,22 +155,15 @@ class ModelGraphs:
         if size > n:  # padding tokens: position 0, K/V to the reserved slot
             self.positions[n:size].zero_()
             self.out_slots[n:size].fill_(self.kv.pad_slot)
-        b = fb.num_seqs
-        if kind == "decode":  # padding entries: the reserved row, a context of one token (its slot)
-            self.seq_rows[:b].copy_(fb.decode_rows)
-            self.kv_lens[:b].copy_(fb.decode_kv_lens)
-            if size > b:  # (an op on no elements still costs its host dispatch: a lone sequence's steps)
-                self.seq_rows[b:size].fill_(self.kv.pad_row)
-                self.kv_lens[b:size].fill_(1)
-        else:  # padding sequences: no queries (q_start stays at n), no context
-            self.logits_indices[:num_logits].copy_(fb.logits_indices)
-            self.seq_rows[:b].copy_(fb.seq_rows)
-            self.kv_lens[:b].copy_(fb.kv_lens)
-            self.q_start[: b + 1].copy_(fb.q_start)
-            self.seq_rows[b:].fill_(self.kv.pad_row)
-            self.kv_lens[b:].zero_()
-            self.q_start[b + 1 :].fill_(n)
-            self.logits_indices[num_logits : min(size, self.max_num_seqs)].zero_()
+        b = fb.num_seqs  # padding sequences: no queries (q_start stays at n), no context
+        self.logits_indices[:num_logits].copy_(fb.logits_indices)
+        self.seq_rows[:b].copy_(fb.seq_rows)
+        self.kv_lens[:b].copy_(fb.kv_lens)
+        self.q_start[: b + 1].copy_(fb.q_start)
+        self.seq_rows[b:].fill_(self.kv.pad_row)
+        self.kv_lens[b:].zero_()
+        self.q_start[b + 1 :].fill_(n)
+        self.logits_indices[num_logits : min(size, self.max_num_seqs)].zero_()
         if key not in self.graphs:  # not captured: the same padded batch, eagerly
             return self.model(self.batches[key])[:num_logits]
         graph, hidden = self.graphs[key]

@@ -260,8 +260,14 @@ class ModelRunner:
         """The model on one step (every rank) -> logits [num_logits, V] fp32. Steps that score no
         prompt tokens replay a CUDA graph (docs/STEP.md); the LM head runs after the replay, on
         exactly the rows that sample."""
+        if self.graphs is not None and inputs.decode_only:
+            key = self.graphs.decode_key(inputs.num_decode)
+            if key is not None:  # one copy: the graph unpacks it, pending tokens from graphs.last_tokens
+                self.staging.next_step()
+                self.staging.to_static(inputs.packed, self.graphs.packed)
+                return self.model.compute_logits(self.graphs.run_decode(key, inputs.num_decode))
         fb = self.forward_batch(inputs, previous_tokens)
-        fb.record_slots()  # outside any graph: the number of table writes varies from step to step
+        fb.record_slots()  # (a step graph holds no table writes: their number varies from step to step)
         key = None
         if self.graphs is not None and inputs.num_logits == inputs.num_sampled:
             key = self.graphs.pick(fb, inputs.num_logits)
@@ -332,6 +338,7 @@ class ModelRunner:
                 self._apply_mask(logits, rows, bitmask)
             tokens = sample(logits[:num_sampled], self.sampling_batch(samplers))
             self.tp.broadcast(tokens)  # the other ranks' next step may take input tokens from them
+            self._keep_tokens(tokens)
             if wanting:
                 wanted_tokens = tokens if len(wanting) == len(samplers) else tokens[self._tensor(wanting, torch.int64)]
                 outputs.append(wanted_lp.gather(1, wanted_tokens[:, None]).squeeze(1))
@@ -385,7 +392,14 @@ class ModelRunner:
         self.run_step(inputs, previous_tokens)
         if inputs.num_sampled == 0:
             return None
-        return self.tp.broadcast(torch.empty(inputs.num_sampled, dtype=torch.int64, device=self.device))
+        tokens = self.tp.broadcast(torch.empty(inputs.num_sampled, dtype=torch.int64, device=self.device))
+        self._keep_tokens(tokens)
+        return tokens
+
+    def _keep_tokens(self, tokens: torch.Tensor) -> None:
+        """A step's sampled tokens where the next decode graph reads its pending input tokens."""
+        if self.graphs is not None:
+            self.graphs.last_tokens[: tokens.shape[0]].copy_(tokens)
 
 
 class KeptSampling:

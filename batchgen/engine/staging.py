@@ -59,6 +59,14 @@ class Staging:
         torch.cat(parts, out=host)
         return list(host.to(self.device, non_blocking=True).split(sizes))
 
+    def to_static(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        """A host int64 array into the first values of a device buffer, in one copy (through pinned
+        memory on CUDA)."""
+        n = values.numel()
+        if self.arenas is not None:
+            values = self.arenas[torch.int64].take(n).copy_(values)
+        out[:n].copy_(values, non_blocking=True)
+
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Start copying a device tensor back; read it only after the step's event."""
         if self.arenas is None:

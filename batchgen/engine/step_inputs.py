@@ -76,6 +76,12 @@ class StepInputs:
         return self.sizes[FIELDS.index("pending_dst")] > 0
 
     @property
+    def decode_only(self) -> bool:
+        """Every sequence decodes one token (no prefill chunk, no prompt scored)."""
+        return (self.sizes[FIELDS.index("rows")] == self.num_decode and self.num_logits == self.num_sampled
+                and not self.has_prefix_writes)
+
+    @property
     def has_prefix_writes(self) -> bool:
         return self.sizes[FIELDS.index("prefix_rows")] > 0
 

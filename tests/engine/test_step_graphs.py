@@ -1,6 +1,7 @@
 """The step graphs' padded batches, run eagerly on CPU (ModelGraphs(capture=False)): every step
 goes through the static buffers the CUDA graphs read (padding tokens, padding sequences, padded
-logits rows, the unified attention path), and must give what the plain eager steps give."""
+logits rows, the unified attention path; decode steps through their packed inputs, unpacked as a
+decode graph unpacks them), and must give what the plain eager steps give."""
 import pytest
 
 from batchgen import LLM, SamplingParams
@@ -31,8 +32,9 @@ def test_padded_static_batches_match_eager_steps(tiny_model, kind):
     runner.graphs = ModelGraphs(runner.model, runner.kv, 6, runner.max_num_batched_tokens, runner.device,
                                 capture=False)
     used = []
-    pick = runner.graphs.pick
+    pick, decode_key = runner.graphs.pick, runner.graphs.decode_key
     runner.graphs.pick = lambda fb, n: used.append(pick(fb, n)) or used[-1]
+    runner.graphs.decode_key = lambda n: used.append(decode_key(n)) or used[-1]  # (packed inputs, unpacked)
     got = padded.generate_list(requests, params)
     kinds = {key[0] for key in used if key is not None}
     assert kinds == {"step", "decode"}  # both ladders served steps
