@@ -265,6 +265,9 @@ class ModelRunner:
             if key is not None:  # one copy: the graph unpacks it, pending tokens from graphs.last_tokens
                 self.staging.next_step()
                 self.staging.to_static(inputs.packed, self.graphs.packed)
+                if inputs.has_prefix_writes:  # (rare: decodes whose prompts the cache advanced this step)
+                    a = inputs.split(self.graphs.packed[HEADER : HEADER + sum(inputs.sizes)])
+                    self.kv.req_to_token[a["prefix_rows"], a["prefix_positions"]] = a["prefix_slots"].to(torch.int32)
                 return self.model.compute_logits(self.graphs.run_decode(key, inputs.num_decode))
         fb = self.forward_batch(inputs, previous_tokens)
         fb.record_slots()  # (a step graph holds no table writes: their number varies from step to step)

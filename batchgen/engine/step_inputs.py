@@ -78,8 +78,7 @@ class StepInputs:
     @property
     def decode_only(self) -> bool:
         """Every sequence decodes one token (no prefill chunk, no prompt scored)."""
-        return (self.sizes[FIELDS.index("rows")] == self.num_decode and self.num_logits == self.num_sampled
-                and not self.has_prefix_writes)
+        return self.sizes[FIELDS.index("rows")] == self.num_decode and self.num_logits == self.num_sampled
 
     @property
     def has_prefix_writes(self) -> bool:

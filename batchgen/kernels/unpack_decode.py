@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Fields of the packed layout the op reads, by name: the caller passes their indices.
-FIELDS = ("input_ids", "positions", "out_slots", "pending_dst", "pending_src", "rows", "kv_lens")
+# The arrays of the packed layout the op reads (the caller passes the layout's field names).
+READ_FIELDS = ("input_ids", "positions", "out_slots", "pending_dst", "pending_src", "rows", "kv_lens")
 
 
 @triton.jit
@@ -93,7 +93,7 @@ def unpack_decode_triton(packed, last_tokens, input_ids, positions, out_slots, s
                          pad_slot: int, pad_row: int, num_scalars: int, field_names: tuple[str, ...]) -> None:
     size = input_ids.shape[0]
     block = min(triton.next_power_of_2(max(size, 1)), 128)
-    index = {name: field_names.index(name) for name in FIELDS}
+    index = {name: field_names.index(name) for name in READ_FIELDS}
     _unpack_decode_kernel[(triton.cdiv(size, block),)](
         packed, last_tokens, input_ids, positions, out_slots, seq_rows, kv_lens, req_to_token,
         req_to_token.stride(0), pad_slot, pad_row, size,

@@ -41,3 +41,25 @@ def test_padded_static_batches_match_eager_steps(tiny_model, kind):
     for a, b in zip(got, want):
         assert a["output_token_ids"] == b["output_token_ids"]
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+
+
+def test_decode_graph_step_writes_cached_prefixes(tiny_model):
+    """A decode-only step that also attaches cached prompt slots (StepInputs' prefix arrays): its
+    decode graph step writes them into the token table beside the decode's own slot."""
+    import torch
+
+    from batchgen.engine.step_inputs import FIELDS, StepInputs
+
+    llm = LLM(str(tiny_model("llama")), device="cpu", dtype="float32", max_num_seqs=4)
+    runner = llm.engine.runner
+    runner.graphs = ModelGraphs(runner.model, runner.kv, 4, runner.max_num_batched_tokens, runner.device,
+                                capture=False)
+    arrays = {f: [] for f in FIELDS}
+    arrays.update(input_ids=[9], positions=[5], out_slots=[77], logits_indices=[0], prefix_rows=[2, 2],
+                  prefix_positions=[3, 4], prefix_slots=[50, 51], token_rows=[2], rows=[2], kv_lens=[6], cu_q=[0, 1])
+    inputs = StepInputs.pack([1, 1, 6, 0], [arrays[f] for f in FIELDS])
+    assert inputs.decode_only and inputs.has_prefix_writes
+    with torch.inference_mode():
+        logits = runner.run_step(inputs, None)
+    assert runner.kv.req_to_token[2, 3:6].tolist() == [50, 51, 77]
+    assert logits.shape[0] == 1 and torch.isfinite(logits).all()
