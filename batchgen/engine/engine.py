@@ -74,6 +74,7 @@ class LLMEngine:
             "kv_cache_tokens": self.kv.num_slots,
             "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "tensor_parallel_all_reduce": self.runner.tp.all_reduce_path,
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "seed": self.config.seed,
         }

@@ -3,9 +3,12 @@
 An engine's ranks talk through one process group of their own (NCCL on CUDA, captured in CUDA
 graphs; gloo over loopback on CPU), made from a rendezvous store that only they know, not
 torch.distributed's default group: two engines in one process, or two jobs on one host, never meet.
+On GPUs that reach each other directly, small all-reduces (decode steps) go through symmetric
+memory instead of NCCL (forward/symmetric_all_reduce.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -13,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from batchgen.forward.symmetric_all_reduce import MAX_BYTES, open_symmetric, supported_here
 
 TIMEOUT = timedelta(minutes=30)  # a collective that waits longer than this fails
 ABORT_WAIT_S = 10.0  # how long abort() blocks its caller (NCCL's own abort waits up to TIMEOUT)
@@ -24,10 +29,13 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # a torch.distributed backend (ProcessGroupNCCL / ProcessGroupGloo) when size > 1
     device: torch.device = torch.device("cpu")  # where the group's tensors live
+    symmetric: Any = None  # a SymmetricAllReduce for small CUDA all-reduces, where every rank can use one
     _aborting: list = field(default_factory=list, compare=False, repr=False)  # the abort thread, once started
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
+        if self.symmetric is not None and self.symmetric.fits(x):
+            return self.symmetric(x)
         if self.size > 1:
             self.group.allreduce([x]).wait()  # on CUDA: the current stream waits, the host does not
         return x
@@ -57,6 +65,19 @@ class TensorParallel:
         opts.reduceOp = dist.ReduceOp.MIN
         self.group.allreduce([t], opts).wait()
         return int(t.item())
+
+    @property
+    def all_reduce_path(self) -> str:
+        if self.size == 1:
+            return "none"
+        if self.device.type != "cuda":
+            return "gloo"
+        return f"symmetric memory up to {MAX_BYTES >> 20} MiB of bf16, NCCL above" if self.symmetric is not None else "NCCL"
+
+    def close_symmetric(self) -> None:
+        """After the CUDA graphs that captured it are freed."""
+        if self.symmetric is not None:
+            self.symmetric.close()
 
     def split(self, total: int, what: str) -> int:
         if total % self.size:
@@ -109,4 +130,7 @@ def connect(store_path: str, rank: int, size: int, device: torch.device) -> Tens
         group = dist.ProcessGroupGloo(store, rank, size, opts)
     if hasattr(group, "_set_sequence_number_for_group"):
         group._set_sequence_number_for_group()
-    return TensorParallel(rank, size, group, device)
+    tp = TensorParallel(rank, size, group, device)
+    if device.type == "cuda" and tp.min_over_ranks(int(supported_here(rank, size, device))):
+        tp = dataclasses.replace(tp, symmetric=open_symmetric(store, rank, size, device, group, store_path))
+    return tp

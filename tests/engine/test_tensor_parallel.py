@@ -36,6 +36,8 @@ def prompts():
 def generate(model_dir, tp, rows, sampling=GREEDY, device=DEVICE, **options):
     llm = LLM(str(model_dir), dtype="float32", device=device, tensor_parallel_size=tp, **options)
     try:
+        if tp == 1 or device == "cpu":
+            assert llm.describe()["tensor_parallel_all_reduce"] == ("none" if tp == 1 else "gloo")
         results = llm.generate_list(rows, sampling)
         assert llm.engine.kv.num_available == llm.engine.kv.num_slots  # every slot free or only cached
         return results

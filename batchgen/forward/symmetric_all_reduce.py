@@ -1,0 +1,99 @@
+"""Small all-reduces through symmetric memory, for GPUs that reach each other's memory (NVLink, P2P).
+
+A decode step all-reduces [rows, hidden] twice a layer. On two H200s (NVLink, inside CUDA graphs)
+NCCL's ring took 16 us for one row of 4096 bf16 and 37 us for 256 rows; torch's two-shot kernel
+over symmetric memory (`torch.ops.symm_mem`) 6 and 13 us, with the same sums bit for bit
+(benchmarks/KERNELS.md). Each rank copies its tensor into a buffer that every rank has mapped; the
+kernel sums one slice of the elements per rank, reading every rank's buffer, then gathers the sums
+into each rank's output. It meets the peers through signal flags in that memory, so it stays in
+order with the step's other kernels and CUDA graphs capture it like any kernel.
+
+Larger tensors (prefill chunks) stay with NCCL, and so do other dtypes and GPUs without peer
+access. BATCHGEN_SYMM_ALL_REDUCE=0 turns it off.
+
+NCCL's abort cannot reach this kernel. A rank killed in the middle of a job still gives the engine's
+one clear error and rank 0 closes and exits (tests/gpu/test_symmetric_all_reduce_gpu.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+
+MAX_BYTES = 2 << 20  # 2 MiB: the largest message measured (256 x 4096 bf16); NCCL above it
+DTYPE = torch.bfloat16  # the dtype it was measured in
+ELEMENT_MULTIPLE = 64  # numel a multiple of this: every rank's slice stays 16-byte aligned
+
+
+class SymmetricAllReduce:
+    def __init__(self, group_name: str, buffer: torch.Tensor):
+        self.group_name = group_name
+        self.buffer = buffer  # [MAX_BYTES / 2] bf16, mapped by every rank
+        ops = torch.ops.symm_mem
+        self._reduce_out = getattr(ops, "two_shot_all_reduce_out", None)  # torch >= 2.8
+        self._reduce_in_place = ops.two_shot_all_reduce_
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """The same answer on every rank: ranks all-reduce tensors of the same shape and dtype."""
+        return (x.dtype == DTYPE and x.numel() * x.element_size() <= MAX_BYTES
+                and x.numel() % ELEMENT_MULTIPLE == 0 and x.is_contiguous() and x.is_cuda)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over ranks, into x."""
+        flat = x.view(-1)
+        staged = self.buffer[: flat.numel()]
+        staged.copy_(flat)
+        if self._reduce_out is not None:
+            self._reduce_out(staged, "sum", self.group_name, flat)  # staged is scratch
+        else:
+            self._reduce_in_place(staged, "sum", self.group_name)
+            flat.copy_(staged)
+        return x
+
+    def close(self) -> None:
+        """Forget the group (its registry entry holds the NCCL backend) and the buffer."""
+        self.buffer = None
+        unregister = getattr(torch._C._distributed_c10d, "_unregister_process_group", None)
+        if unregister is not None:
+            try:
+                unregister(self.group_name)
+            except Exception:  # best effort: the engine is closing
+                pass
+
+
+def supported_here(rank: int, size: int, device: torch.device) -> bool:
+    """This rank could take part: a CUDA device that reaches every other rank's GPU directly, and a
+    torch that has the two-shot kernel. Every rank must agree before the (collective) set-up."""
+    if device.type != "cuda" or size < 2 or os.environ.get("BATCHGEN_SYMM_ALL_REDUCE", "1") == "0":
+        return False
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+
+        if not hasattr(torch.ops.symm_mem, "two_shot_all_reduce_"):
+            return False
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+    if torch.cuda.device_count() < size:  # each rank's GPU visible here, as the engine's workers have it
+        return False
+    return all(torch.cuda.can_device_access_peer(rank, peer) for peer in range(size) if peer != rank)
+
+
+def open_symmetric(store, rank: int, size: int, device: torch.device, backend, store_path: str) -> SymmetricAllReduce:
+    """Collective: every rank calls it once supported_here() held on all of them.
+
+    torch's symmetric memory finds its ranks through a registered process group, so the engine's
+    NCCL backend is wrapped in one, under a name made from the engine's own rendezvous path (two
+    engines in one process never share it)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    name = "batchgen-tp-" + hashlib.sha1(store_path.encode()).hexdigest()[:16]
+    group = dist.ProcessGroup(dist.PrefixStore("symmetric", store), rank, size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+    group._register_backend(torch.device(device.type), dist.ProcessGroup.BackendType.NCCL, backend)
+    group._set_group_name(name)
+    torch._C._distributed_c10d._register_process_group(name, group)
+    buffer = symm_mem.empty(MAX_BYTES // DTYPE.itemsize, dtype=DTYPE, device=device)
+    symm_mem.rendezvous(buffer, name)
+    return SymmetricAllReduce(name, buffer)
