@@ -65,7 +65,8 @@ class SymmetricAllReduce:
 
 def supported_here(rank: int, size: int, device: torch.device) -> bool:
     """This rank could take part: a CUDA device that reaches every other rank's GPU directly, and a
-    torch that has the two-shot kernel. Every rank must agree before the (collective) set-up."""
+    torch that has the two-shot kernel and the process-group calls open_symmetric makes. Every rank
+    must agree before the (collective) set-up."""
     if device.type != "cuda" or size < 2 or os.environ.get("BATCHGEN_SYMM_ALL_REDUCE", "1") == "0":
         return False
     try:
@@ -74,6 +75,10 @@ def supported_here(rank: int, size: int, device: torch.device) -> bool:
         if not hasattr(torch.ops.symm_mem, "two_shot_all_reduce_"):
             return False
     except (ImportError, AttributeError, RuntimeError):
+        return False
+    wrapping = ("_set_default_backend", "_register_backend", "_set_group_name")  # open_symmetric's calls
+    if not all(hasattr(dist.ProcessGroup, f) for f in wrapping) or not hasattr(
+            torch._C._distributed_c10d, "_register_process_group"):
         return False
     if torch.cuda.device_count() < size:  # each rank's GPU visible here, as the engine's workers have it
         return False
