@@ -32,7 +32,7 @@ class SymmetricAllReduce:
         self.group_name = group_name
         self.buffer = buffer  # [MAX_BYTES / 2] bf16, mapped by every rank
         ops = torch.ops.symm_mem
-        self._reduce_out = getattr(ops, "two_shot_all_reduce_out", None)  # torch >= 2.8
+        self._reduce_out = getattr(ops, "two_shot_all_reduce_out", None)  # (newer torch; else in place + copy)
         self._reduce_in_place = ops.two_shot_all_reduce_
 
     def fits(self, x: torch.Tensor) -> bool:
