@@ -14,7 +14,7 @@ gate/up projections, without the norm kernel before them).
     y[m, n] = sum_k rmsnorm(x + r)[m, k] * W[n, k]       (NORM; rounded as kernels/rmsnorm.py rounds)
 
 W must be a constant (a weight): under programmatic dependent launch (kernels/pdl.py) each program
-reads its first chunk of W before waiting for the kernel before it.
+reads its first chunk of W (two where the product has few programs) before waiting for the kernel before it.
 """
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ from batchgen.kernels.rmsnorm import add_rmsnorm_ref, rmsnorm_ref
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref
 
 MAX_ROWS = 8
+# A program reads two chunks of W before its PDL wait (instead of one) only where its product has few
+# programs, at most ~2 an SM of an H200: there each program's loads in flight bound the stream. Timed as
+# W-decode1 on an H200 (KERNELS.md): qwen2.5-0.5b's down projection (224 programs) gained 3% of a token;
+# llama-3.2-1b's products (384 to 4,096 programs) lost 0.5-1.7% with it (the second chunk's registers).
+PREFETCH_MAX_PROGRAMS = 256
 
 
 @triton.jit
@@ -109,6 +114,7 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     DEFER_SUM: tl.constexpr,  # keep [BLOCK_M, BLOCK_N, BLOCK_K] partials, sum once at the end
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PRE_CHUNKS: tl.constexpr,  # chunks of W read before the wait: 1, or 2 when K > BLOCK_K
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,6 +125,10 @@ def _skinny_gemm_kernel(
     w_ptrs = w_ptr + w_rows[:, None] * w_stride_n + cols[None, :]
     # W's first chunk is read while the kernel before may still run (PDL, kernels/pdl.py): a constant
     first_w = _weight_chunk(w_ptrs, cols < K, EVEN_K)
+    if PRE_CHUNKS == 2:
+        second_w = _weight_chunk(w_ptrs + BLOCK_K, BLOCK_K + cols < K, EVEN_K)
+    else:
+        second_w = first_w  # (unused)
     wait_for_prior_kernels(PDL)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:  # every program reads the rows once more (from L2) for their statistics
@@ -141,7 +151,10 @@ def _skinny_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = _accumulate(acc, first_w, x_ptr, x_stride_m, res_ptr, res_stride_m, norm_w_ptr, rstd, m, m_ok, cols, K,
                       SILU_MUL, NORM, HAS_RESIDUAL, DEFER_SUM)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    if PRE_CHUNKS == 2:
+        acc = _accumulate(acc, second_w, x_ptr, x_stride_m, res_ptr, res_stride_m, norm_w_ptr, rstd, m, m_ok,
+                          BLOCK_K + cols, K, SILU_MUL, NORM, HAS_RESIDUAL, DEFER_SUM)
+    for k0 in range(PRE_CHUNKS * BLOCK_K, K, BLOCK_K):
         w = _weight_chunk(w_ptrs + k0, k0 + cols < K, EVEN_K)
         acc = _accumulate(acc, w, x_ptr, x_stride_m, res_ptr, res_stride_m, norm_w_ptr, rstd, m, m_ok, k0 + cols, K,
                           SILU_MUL, NORM, HAS_RESIDUAL, DEFER_SUM)
@@ -169,6 +182,11 @@ def default_tile(n: int, k: int) -> Tile:
     return (8, 1024, 4, 1, True)
 
 
+def prefetched_chunks(num_programs: int, k: int, block_k: int) -> int:
+    """Chunks of W (1 or 2) a program reads before its PDL wait: see PREFETCH_MAX_PROGRAMS."""
+    return 2 if k > block_k and num_programs <= PREFETCH_MAX_PROGRAMS else 1
+
+
 def _launch(x, weight, bias, out_dtype, tile, silu_mul=False, residual=None, norm_weight=None, eps=0.0):
     num_rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     assert num_rows <= MAX_ROWS and x.shape[1] == (2 * k if silu_mul else k)
@@ -184,13 +202,15 @@ def _launch(x, weight, bias, out_dtype, tile, silu_mul=False, residual=None, nor
         assert norm_weight.shape == (k,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
     block_n, block_k, num_warps, num_stages, defer = tile or default_tile(n, k)
     block_k = min(block_k, triton.next_power_of_2(k))
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+    num_programs = triton.cdiv(n, block_n)
+    pre_chunks = prefetched_chunks(num_programs, k, block_k)
+    _skinny_gemm_kernel[(num_programs,)](
         x, x.stride(0), weight, weight.stride(0), weight if bias is None else bias, y, y.stride(0),
         x if residual is None else residual, 0 if residual is None else residual.stride(0),
         new_residual, new_residual.stride(0), weight if norm_weight is None else norm_weight, eps, n, k,
         M=num_rows, BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, DEFER_SUM=defer,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, DEFER_SUM=defer, PRE_CHUNKS=pre_chunks,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(x.device),
     )
     return y, new_residual

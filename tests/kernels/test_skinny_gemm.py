@@ -71,3 +71,27 @@ def test_normed_skinny_gemm(device, assert_close, dtype, m, n, k, residual, tile
         assert got_res is x
     # the normalised row may round the other way in a few places: a little more than one rounding
     assert_close(got, want, scale=3)
+
+
+@pytest.mark.parametrize("prefetch_two", [False, True])
+@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize("mode", ["plain", "silu_mul", "norm"])
+@pytest.mark.parametrize("k", [64, 96, 128, 700])  # one chunk (no second), a partial second, exactly two, many
+def test_chunks_before_the_wait(device, assert_close, monkeypatch, k, mode, defer, prefetch_two):
+    """One or two chunks of W read before the PDL wait: each chunk counts once."""
+    import batchgen.kernels.skinny_gemm as skinny
+
+    monkeypatch.setattr(skinny, "PREFETCH_MAX_PROGRAMS", 1 << 30 if prefetch_two else 0)
+    assert skinny.prefetched_chunks(3, k, 64) == (2 if prefetch_two and k > 64 else 1)
+    torch.manual_seed(3)
+    tile, dtype = (4, 64, 4, 1, defer), torch.bfloat16
+    weight = torch.randn(11, k, dtype=dtype, device=device) / k**0.5
+    x = torch.randn(1, 2 * k if mode == "silu_mul" else k, dtype=dtype, device=device)
+    if mode == "norm":
+        norm_weight = (torch.rand(k, device=device) + 0.5).to(dtype)
+        got = normed_skinny_gemm_triton(x, None, norm_weight, 1e-6, weight, tile=tile)[0]
+        want = normed_skinny_gemm_ref(x, None, norm_weight, 1e-6, weight)[0]
+    else:
+        got = skinny_gemm_triton(x, weight, silu_mul=mode == "silu_mul", tile=tile)
+        want = skinny_gemm_ref(x, weight, silu_mul=mode == "silu_mul")
+    assert_close(got, want, scale=2)
