@@ -33,12 +33,17 @@ class TensorParallel:
     _aborting: list = field(default_factory=list, compare=False, repr=False)  # the abort thread, once started
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place."""
+        """Sum over ranks: in place, or a new tensor when x is reduce_buffer()'s."""
         if self.symmetric is not None and self.symmetric.fits(x):
             return self.symmetric(x)
         if self.size > 1:
             self.group.allreduce([x]).wait()  # on CUDA: the current stream waits, the host does not
         return x
+
+    def reduce_buffer(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a product may write the [rows, cols] partial sums it then passes to all_reduce, to
+        save the symmetric path's copy (forward/symmetric_all_reduce.py); None: anywhere."""
+        return self.symmetric.staging(rows, cols, dtype) if self.symmetric is not None else None
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., size * n], rank-major."""

@@ -5,7 +5,8 @@ NCCL's ring took 16 us for one row of 4096 bf16 and 37 us for 256 rows; torch's 
 over symmetric memory (`torch.ops.symm_mem`) 6 and 13 us, with the same sums bit for bit
 (benchmarks/KERNELS.md). Each rank copies its tensor into a buffer that every rank has mapped; the
 kernel sums one slice of the elements per rank, reading every rank's buffer, then gathers the sums
-into each rank's output. It meets the peers through signal flags in that memory, so it stays in
+into each rank's output. Row-parallel products write their partial sums straight into that buffer
+where they can (TensorParallel.reduce_buffer), which saves the copy. It meets the peers through signal flags in that memory, so it stays in
 order with the step's other kernels and CUDA graphs capture it like any kernel.
 
 Larger tensors (prefill chunks) stay with NCCL, and so do other dtypes and GPUs without peer
@@ -40,17 +41,29 @@ class SymmetricAllReduce:
         return (x.dtype == DTYPE and x.numel() * x.element_size() <= MAX_BYTES
                 and x.numel() % ELEMENT_MULTIPLE == 0 and x.is_contiguous() and x.is_cuda)
 
+    def staging(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The buffer as [rows, cols], for a product to write the partial sums it will all-reduce
+        (which saves __call__'s copy into it), or None where such a tensor does not fit."""
+        numel = rows * cols
+        if dtype != DTYPE or numel * DTYPE.itemsize > MAX_BYTES or numel % ELEMENT_MULTIPLE:
+            return None
+        return self.buffer[:numel].view(rows, cols)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of x over ranks, into x."""
+        """Sum of x over ranks: into x, or into a new tensor where x is the staging buffer itself."""
         flat = x.view(-1)
         staged = self.buffer[: flat.numel()]
-        staged.copy_(flat)
+        if flat.data_ptr() == staged.data_ptr():  # the product wrote it there (staging())
+            out = torch.empty_like(flat)
+        else:
+            staged.copy_(flat)
+            out = flat
         if self._reduce_out is not None:
-            self._reduce_out(staged, "sum", self.group_name, flat)  # staged is scratch
+            self._reduce_out(staged, "sum", self.group_name, out)  # staged is scratch
         else:
             self._reduce_in_place(staged, "sum", self.group_name)
-            flat.copy_(staged)
-        return x
+            out.copy_(staged)
+        return out.view(x.shape)
 
     def close(self) -> None:
         """Forget the group (its registry entry holds the NCCL backend) and the buffer."""

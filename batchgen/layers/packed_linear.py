@@ -90,13 +90,17 @@ class PackableWeight:
         """Whether the product with x goes to the skinny kernel."""
         return streams_weight(x) and self.weight.numel() <= SKINNY_MAX_WEIGHT  # (packed weights are CPU's)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] @ weight^T (+ bias); silu_mul: x is a gate/up pair [T, 2 in] and the product takes
-        silu(gate) * up."""
+        silu(gate) * up. out [T, out]: where cuBLAS's product (no bias) is written; the other paths
+        return a new tensor."""
         if self.streams(x):
             return skinny_gemm(x, self.weight, bias, silu_mul)
         if silu_mul:
             x = silu_and_mul(x)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
+        if out is not None and bias is None and x.dim() == 2:
+            return torch.mm(x, self.weight.t(), out=out)
         return F.linear(x, self.weight, bias)
