@@ -40,6 +40,15 @@ class TensorParallel:
             self.group.allreduce([x]).wait()  # on CUDA: the current stream waits, the host does not
         return x
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x on each rank -> [size, *x.shape], rank-major."""
+        if self.size == 1:
+            return x[None]
+        x = x.contiguous()
+        out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+        self.group.allgather([list(out.unbind(0))], [x]).wait()
+        return out
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., size * n], rank-major."""
         if self.size == 1:
