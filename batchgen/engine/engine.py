@@ -148,7 +148,8 @@ class LLMEngine:
                 self.workers.send(inputs)  # the other ranks run the same step
             logits = self.runner.launch_forward(inputs, self.in_flight)
             if not any(seq.structured is not None for seq in samplers):
-                launched = self.runner.launch_sampling(logits, samplers, scored)
+                launched = self.runner.launch_sampling(logits, samplers, scored,
+                                                       from_shards=bool(inputs.sample_from_shards))
         finished = self._read_back(self.in_flight) if self.in_flight is not None else []
         if logits is not None and launched is None:  # constrained: N's tokens are accepted now
             rows, bitmask, ended = self.structured.fill(samplers)

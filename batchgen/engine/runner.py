@@ -19,6 +19,7 @@ from batchgen.forward.parallel import SINGLE, TensorParallel
 from batchgen.engine.request import Sequence
 from batchgen.engine.scheduler import ScheduledBatch
 from batchgen.engine.staging import Staging
+from batchgen.engine.shard_sampling import sampling_parameters, samples_from_shards, tokens_from_shards
 from batchgen.engine.step_inputs import HEADER, StepInputs
 from batchgen.engine.warmup import synthetic_batch, warm_sampling, warm_up
 from batchgen.kernels.token_bitmask import apply_token_bitmask
@@ -216,7 +217,8 @@ class ModelRunner:
         cu_q = [0, *itertools.accumulate(batch.num_new)]
         q_start = [c - nd for c in cu_q[nd:-1]]
         inputs = StepInputs.pack(
-            [nd, len(samplers), max(kv_lens[:nd], default=0), max(batch.num_new[nd:], default=0)],
+            [nd, len(samplers), max(kv_lens[:nd], default=0), max(batch.num_new[nd:], default=0),
+             int(samples_from_shards(self.tp.size, samplers, scored))],
             [input_ids, positions, batch.slots, logits_indices, pending_dst, pending_src,
              batch.prefix_rows, batch.prefix_positions, batch.prefix_slots,
              token_rows, rows, kv_lens, q_start, batch.num_new[nd:], cu_q],
@@ -268,13 +270,20 @@ class ModelRunner:
                 if inputs.has_prefix_writes:  # (rare: decodes whose prompts the cache advanced this step)
                     a = inputs.split(self.graphs.packed[HEADER : HEADER + sum(inputs.sizes)])
                     self.kv.req_to_token[a["prefix_rows"], a["prefix_positions"]] = a["prefix_slots"].to(torch.int32)
-                return self.model.compute_logits(self.graphs.run_decode(key, inputs.num_decode))
+                return self._logits(self.graphs.run_decode(key, inputs.num_decode), inputs)
         fb = self.forward_batch(inputs, previous_tokens)
         fb.record_slots()  # (a step graph holds no table writes: their number varies from step to step)
         key = None
         if self.graphs is not None and inputs.num_logits == inputs.num_sampled:
             key = self.graphs.pick(fb, inputs.num_logits)
         hidden = self.graphs.run(fb, key) if key is not None else self.model(fb)
+        return self._logits(hidden, inputs)
+
+    def _logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """The whole vocabulary's logits [S, V], or this rank's shard of them where the step samples
+        from shards (engine/shard_sampling.py)."""
+        if inputs.sample_from_shards:
+            return self.model.lm_head.shard_logits(hidden)
         return self.model.compute_logits(hidden)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -322,10 +331,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_sampling(self, logits: torch.Tensor, samplers: list[Sequence], scored: list,
-                        mask: tuple[list[int], torch.Tensor] | None = None) -> StepOutput:
+                        mask: tuple[list[int], torch.Tensor] | None = None, from_shards: bool = False) -> StepOutput:
         """Rank 0: queue sampling of a launched step's logits, and the log-probabilities asked for.
         mask: (indices of constrained samplers, their token bitmask [C, W] int32 on the host), applied
-        to those rows before sampling; log-probabilities are the model's, taken before it."""
+        to those rows before sampling; log-probabilities are the model's, taken before it.
+        from_shards: the step's inputs said so; logits are this rank's shard (engine/shard_sampling.py)."""
         num_sampled = len(samplers)
         outputs = []  # fp32 values read back: sampled tokens' logprobs, then prompt logprobs
         tokens = top = None
@@ -339,8 +349,12 @@ class ModelRunner:
             if mask is not None:
                 rows, bitmask = mask
                 self._apply_mask(logits, rows, bitmask)
-            tokens = sample(logits[:num_sampled], self.sampling_batch(samplers))
-            self.tp.broadcast(tokens)  # the other ranks' next step may take input tokens from them
+            if from_shards:  # (nothing above applies: samples_from_shards)
+                parameters = sampling_parameters(self.sampling_batch(samplers), num_sampled, self.device)
+                tokens = tokens_from_shards(self.tp, logits, self.tp.broadcast(parameters), self.model.lm_head.start)
+            else:
+                tokens = sample(logits[:num_sampled], self.sampling_batch(samplers))
+                self.tp.broadcast(tokens)  # the other ranks' next step may take input tokens from them
             self._keep_tokens(tokens)
             if wanting:
                 wanted_tokens = tokens if len(wanting) == len(samplers) else tokens[self._tensor(wanting, torch.int64)]
@@ -390,12 +404,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor | None:
-        """A rank other than 0: the same step's forward, then rank 0's sampled tokens [S] (broadcast
-        on the device), which the next step's pending input tokens are read from."""
-        self.run_step(inputs, previous_tokens)
+        """A rank other than 0: the same step's forward, then the sampled tokens [S] (rank 0's, broadcast
+        on the device, or taken from every rank's shard), which the next step's pending input tokens
+        are read from."""
+        logits = self.run_step(inputs, previous_tokens)
         if inputs.num_sampled == 0:
             return None
-        tokens = self.tp.broadcast(torch.empty(inputs.num_sampled, dtype=torch.int64, device=self.device))
+        if inputs.sample_from_shards:
+            parameters = self.tp.broadcast(torch.empty((3, inputs.num_sampled), dtype=torch.int64, device=self.device))
+            tokens = tokens_from_shards(self.tp, logits, parameters, self.model.lm_head.start)
+        else:
+            tokens = self.tp.broadcast(torch.empty(inputs.num_sampled, dtype=torch.int64, device=self.device))
         self._keep_tokens(tokens)
         return tokens
 

@@ -2,7 +2,8 @@
 same ForwardBatch from it. Rank 0 builds it from the scheduled batch and, under tensor parallelism,
 sends the same bytes to the other ranks.
 
-Layout: [num_decode, num_sampled, decode_max_kv_len, prefill_max_q_len, size of each array], then
+Layout: [num_decode, num_sampled, decode_max_kv_len, prefill_max_q_len, sample_from_shards, size of
+each array], then
 the arrays in FIELDS order. The int32 arrays come last, so they form one tail that the device
 converts at once.
 """
@@ -33,7 +34,7 @@ INT32_FIELDS = (
     "cu_q",  # [B + 1], every sequence: sequence i's tokens are [cu_q[i], cu_q[i + 1])
 )
 FIELDS = INT64_FIELDS + INT32_FIELDS
-SCALARS = ("num_decode", "num_sampled", "decode_max_kv_len", "prefill_max_q_len")
+SCALARS = ("num_decode", "num_sampled", "decode_max_kv_len", "prefill_max_q_len", "sample_from_shards")
 HEADER = len(SCALARS) + len(FIELDS)
 
 
@@ -44,6 +45,7 @@ class StepInputs:
     num_sampled: int  # sequences that sample a token: the first num_sampled logits rows
     decode_max_kv_len: int
     prefill_max_q_len: int
+    sample_from_shards: int  # 1: each rank samples from its shard of the vocabulary (engine/shard_sampling.py)
     sizes: list[int]  # per FIELDS entry
 
     @classmethod

@@ -14,6 +14,7 @@ import torch
 
 from batchgen.engine.kv_cache import KVCache
 from batchgen.forward.batch import ForwardBatch
+from batchgen.kernels.gumbel_argmax import gumbel_max
 from batchgen.layers.sampler import SamplingBatch, sample
 
 log = logging.getLogger("batchgen")
@@ -81,6 +82,8 @@ def warm_sampling(logits: torch.Tensor) -> None:
             steps=torch.zeros(num_rows, dtype=torch.int64, **dev), all_greedy=False, use_top_k_top_p=top,
         ))
     sample(logits, SamplingBatch(None, None, None, None, None, True, False))
+    gumbel_max(logits, torch.full((num_rows,), 0.7, **dev), torch.arange(num_rows, **dev),
+               torch.zeros(num_rows, dtype=torch.int64, **dev), 0)  # (a shard's: engine/shard_sampling.py)
 
 
 def warm_up(runner) -> None:
@@ -102,6 +105,8 @@ def warm_up(runner) -> None:
         hidden = torch.zeros((runner.config.max_num_seqs, runner.model_cfg.hidden_size), dtype=runner.dtype, device=dev)
         for rows in range(1, hidden.shape[0] + 1):
             runner.model.compute_logits(hidden[:rows])
+            if runner.tp.size > 1:  # and its shard alone (engine/shard_sampling.py)
+                runner.model.lm_head.shard_logits(hidden[:rows])
         kv.req_to_token.zero_()  # the synthetic rows' entries
         kv.req_to_token[kv.pad_row, 0] = kv.pad_slot
     torch.cuda.synchronize(dev)

@@ -45,6 +45,15 @@ class TensorParallel:
         save the symmetric path's copy (forward/symmetric_all_reduce.py); None: anywhere."""
         return self.symmetric.staging(rows, cols, dtype) if self.symmetric is not None else None
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x on each rank -> [size, *x.shape], rank-major."""
+        if self.size == 1:
+            return x[None]
+        x = x.contiguous()
+        out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+        self.group.allgather([list(out.unbind(0))], [x]).wait()
+        return out
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., size * n], rank-major."""
         if self.size == 1:

@@ -35,7 +35,7 @@ def _hash32(x):
 
 # The part count and size change with the number of rows: not specialized (a value divisible by 16,
 # or 1, would be another compile in the middle of a job).
-@triton.jit(do_not_specialize=["part_size", "num_parts"])
+@triton.jit(do_not_specialize=["part_size", "num_parts", "token_offset"])
 def _gumbel_argmax_parts_kernel(
     logits_ptr,  # [S, V] fp32
     logits_stride,  # elements between two rows of logits
@@ -47,6 +47,7 @@ def _gumbel_argmax_parts_kernel(
     vocab,  # V
     part_size,  # vocabulary entries per part, a multiple of BLOCK
     num_parts,  # P
+    token_offset,  # the token id of column 0 (a tensor-parallel rank's shard of the vocabulary)
     BLOCK: tl.constexpr,  # vocabulary entries per iteration
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
@@ -69,7 +70,7 @@ def _gumbel_argmax_parts_kernel(
         idx = start + tl.arange(0, BLOCK)
         mask = idx < vocab
         x = tl.load(logits_ptr + row * logits_stride + idx, mask=mask, other=float("-inf"))
-        token_key = _hash32((idx.to(tl.int64) + 0x9E3779B9).to(tl.uint32))
+        token_key = _hash32((idx.to(tl.int64) + token_offset + 0x9E3779B9).to(tl.uint32))
         bits = _hash32(key ^ token_key) >> 9  # 23 bits: bits + 0.5 is exact in fp32, so u < 1
         u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         gumbel = -0.6931471805599453 * tl.log2(-0.6931471805599453 * tl.log2(u))  # -ln(-ln u), fast log2
@@ -84,7 +85,7 @@ def _gumbel_argmax_parts_kernel(
     best_idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), axis=0)
     best_val = top
     tl.store(part_max_ptr + row * num_parts + part, best_val)
-    tl.store(part_arg_ptr + row * num_parts + part, best_idx.to(tl.int64))
+    tl.store(part_arg_ptr + row * num_parts + part, best_idx.to(tl.int64) + token_offset)
 
 
 @triton.jit(do_not_specialize=["num_parts"])
@@ -92,8 +93,10 @@ def _argmax_of_parts_kernel(
     part_max_ptr,  # [S, P] fp32
     part_arg_ptr,  # [S, P] int64
     out_ptr,  # [S] int64 chosen token ids
+    best_ptr,  # [S] fp32 their scores (WRITE_BEST)
     num_parts,  # P
     PARTS: tl.constexpr,  # MAX_PARTS, whatever P (one compile)
+    WRITE_BEST: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_prior_kernels(PDL)
@@ -102,6 +105,8 @@ def _argmax_of_parts_kernel(
     best = tl.load(part_max_ptr + row * num_parts + offs, mask=offs < num_parts, other=float("-inf"))
     part = tl.argmax(best, axis=0, tie_break_left=True)  # parts are in token order: the first maximum
     tl.store(out_ptr + row, tl.load(part_arg_ptr + row * num_parts + part))
+    if WRITE_BEST:
+        tl.store(best_ptr + row, tl.load(part_max_ptr + row * num_parts + part))
 
 
 BLOCK = 1024
@@ -116,11 +121,30 @@ def gumbel_argmax_triton(
     """Each row's vocabulary is cut into `parts` (default: enough programs for the GPU, one for a
     large batch, ~126 for a single row of a 128k vocabulary); each part's best score and token, then
     the first best part of each row. The token does not depend on the number of parts."""
+    return _launch(logits, temperatures, seeds, steps, parts, token_offset=0, want_best=False)[1]
+
+
+def gumbel_max_triton(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, token_offset: int,
+    parts: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shard of the vocabulary: logits [S, V'] are the scores of token ids token_offset + [0, V').
+    -> each row's best score [S] fp32 (the scaled logit plus its noise; the logit for a greedy row)
+    and its token id [S] int64, the first at that score. The shards' best scores compared (ties to
+    the lowest id) give gumbel_argmax_triton's token over the whole vocabulary: the noise of a token
+    depends on its id, not on its column."""
+    return _launch(logits, temperatures, seeds, steps, parts, token_offset, want_best=True)
+
+
+def _launch(logits, temperatures, seeds, steps, parts, token_offset, want_best):
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    best = torch.empty(rows if want_best else 0, dtype=torch.float32, device=logits.device)
     if rows == 0:
-        return out
+        return best, out
+    if vocab == 0:  # (a rank whose shard is all padding): never chosen
+        return best.fill_(float("-inf")), out.fill_(token_offset)
     blocks = triton.cdiv(vocab, BLOCK)
     parts = min(blocks, MAX_PARTS, parts or triton.cdiv(PROGRAMS, rows))
     part_size = triton.cdiv(blocks, parts) * BLOCK
@@ -130,10 +154,11 @@ def gumbel_argmax_triton(
     pdl = pdl_launch_args(logits.device)
     _gumbel_argmax_parts_kernel[(rows, parts)](
         logits, logits.stride(0), temperatures, seeds, steps, part_max, part_arg,
-        vocab, part_size, parts, BLOCK=BLOCK, num_warps=4, **pdl,
+        vocab, part_size, parts, token_offset, BLOCK=BLOCK, num_warps=4, **pdl,
     )
-    _argmax_of_parts_kernel[(rows,)](part_max, part_arg, out, parts, PARTS=MAX_PARTS, **pdl)
-    return out
+    _argmax_of_parts_kernel[(rows,)](part_max, part_arg, out, best if want_best else part_max, parts,
+                                     PARTS=MAX_PARTS, WRITE_BEST=want_best, **pdl)
+    return best, out
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -173,6 +198,22 @@ def gumbel_argmax_ref(
     return torch.where(noisy, scores.argmax(dim=-1), logits.argmax(dim=-1))
 
 
+def gumbel_max_ref(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, token_offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gumbel_max_triton's reference (and the CPU's path): a shard's best scores [S] fp32 and their
+    token ids [S] int64, scored as gumbel_argmax_ref scores the whole vocabulary."""
+    rows, vocab = logits.shape
+    if vocab == 0:
+        return (torch.full((rows,), float("-inf"), device=logits.device),
+                torch.full((rows,), token_offset, dtype=torch.int64, device=logits.device))
+    token_ids = torch.arange(token_offset, token_offset + vocab, device=logits.device, dtype=torch.int64)
+    noise = _gumbel(_uniform_at(_row_keys(seeds, steps)[:, None], token_ids[None, :]))
+    scores = torch.where((temperatures > 0)[:, None], temperature_scaled(logits, temperatures) + noise, logits)
+    ids = scores.argmax(dim=-1)  # the first maximum
+    return scores.gather(1, ids[:, None]).squeeze(1), ids + token_offset
+
+
 def _gumbel(u: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
@@ -189,17 +230,31 @@ def gumbel_argmax_cpu(
     """gumbel_argmax_ref's tokens, with the noise made only for the tokens that can win (those within
     the noise's span of their row's best scaled logit): the hashing of the whole [S, V] noise was
     most of a CPU job's sampling time. The same values, elementwise, as the reference's."""
+    return gumbel_max_cpu(logits, temperatures, seeds, steps, 0)[1]
+
+
+def gumbel_max_cpu(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, token_offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gumbel_max_ref's scores and tokens for a shard of the vocabulary (ids token_offset + [0, V')),
+    the noise made only for the tokens that can win (gumbel_argmax_cpu)."""
+    if logits.shape[-1] == 0:
+        return gumbel_max_ref(logits, temperatures, seeds, steps, token_offset)
     noisy = temperatures > 0
     scaled = temperature_scaled(logits, temperatures)
     best_scaled = scaled.amax(dim=-1)
     if not torch.isfinite(best_scaled[noisy]).all():  # NaN, inf or all masked: as the reference does
-        return gumbel_argmax_ref(logits, temperatures, seeds, steps)
+        return gumbel_max_ref(logits, temperatures, seeds, steps, token_offset)
     rows, cols = ((scaled >= (best_scaled - _NOISE_SPAN)[:, None]) & noisy[:, None]).nonzero(as_tuple=True)
-    scores = scaled[rows, cols] + _gumbel(_uniform_at(_row_keys(seeds, steps)[rows], cols))
+    scores = scaled[rows, cols] + _gumbel(_uniform_at(_row_keys(seeds, steps)[rows], cols + token_offset))
     best = torch.full_like(best_scaled, float("-inf")).scatter_reduce(0, rows, scores, "amax")
     at_best = scores == best[rows]  # the first token at the row's maximum, as argmax takes it
     first = torch.full_like(seeds, logits.shape[-1]).scatter_reduce(0, rows[at_best], cols[at_best], "amin")
-    return first if noisy.all() else torch.where(noisy, first, logits.argmax(dim=-1))
+    if not noisy.all():  # greedy rows: the first largest logit
+        greedy = logits.argmax(dim=-1)
+        first = torch.where(noisy, first, greedy)
+        best = torch.where(noisy, best, logits.gather(1, greedy[:, None]).squeeze(1))
+    return best, first + token_offset
 
 
 def gumbel_argmax(
@@ -210,3 +265,12 @@ def gumbel_argmax(
     if logits.is_cuda:
         return gumbel_argmax_triton(logits, temperatures, seeds, steps)
     return gumbel_argmax_cpu(logits, temperatures, seeds, steps)
+
+
+def gumbel_max(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, token_offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shard of the vocabulary (gumbel_max_triton) -> each row's best score [S] fp32 and token id [S]."""
+    if logits.is_cuda:
+        return gumbel_max_triton(logits, temperatures, seeds, steps, token_offset)
+    return gumbel_max_cpu(logits, temperatures, seeds, steps, token_offset)

@@ -49,6 +49,19 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
         logits = self.tp.all_gather_last_dim(self.matmul(hidden))
         return logits[:, : self.vocab_size].float()
 
+    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H] -> this rank's logits [S, V'] in fp32: token ids start + [0, V'), the real
+        vocabulary's part of its rows (engine/shard_sampling.py)."""
+        real = max(0, min(self.rows_per_rank, self.vocab_size - self.start))
+        logits = None
+        if hidden.is_cuda and hidden.dtype != torch.float32:
+            if streams_weight(hidden):
+                return skinny_gemm(hidden, self.weight, out_dtype=torch.float32)[:, :real]
+            logits = self._fp32_product(hidden)
+        if logits is None:
+            logits = self.matmul(hidden).float()
+        return logits[:, :real]
+
     def _fp32_product(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits straight from the product: a bf16 [S, V] result and its conversion cost ~75 us
         a step net at 256 rows of a 128k vocabulary (H200, benchmarks/KERNELS.md); None where torch

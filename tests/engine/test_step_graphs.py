@@ -54,10 +54,11 @@ def test_decode_graph_step_writes_cached_prefixes(tiny_model):
     runner = llm.engine.runner
     runner.graphs = ModelGraphs(runner.model, runner.kv, 4, runner.max_num_batched_tokens, runner.device,
                                 capture=False)
+    runner.kv.k.zero_(), runner.kv.v.zero_()  # (the cached slots' K/V: the pool is uninitialised memory)
     arrays = {f: [] for f in FIELDS}
     arrays.update(input_ids=[9], positions=[5], out_slots=[77], logits_indices=[0], prefix_rows=[2, 2],
                   prefix_positions=[3, 4], prefix_slots=[50, 51], token_rows=[2], rows=[2], kv_lens=[6], cu_q=[0, 1])
-    inputs = StepInputs.pack([1, 1, 6, 0], [arrays[f] for f in FIELDS])
+    inputs = StepInputs.pack([1, 1, 6, 0, 0], [arrays[f] for f in FIELDS])
     assert inputs.decode_only and inputs.has_prefix_writes
     with torch.inference_mode():
         logits = runner.run_step(inputs, None)

@@ -1,7 +1,10 @@
 import pytest
 import torch
 
-from batchgen.kernels.gumbel_argmax import gumbel_argmax_cpu, gumbel_argmax_ref, gumbel_argmax_triton
+from batchgen.kernels.gumbel_argmax import (
+    _gumbel, gumbel_argmax_cpu, gumbel_argmax_ref, gumbel_argmax_triton, gumbel_max_cpu, gumbel_max_ref,
+    gumbel_max_triton, temperature_scaled, uniform_noise,
+)
 
 # (rows, vocab): one row, a vocabulary not a multiple of the block, several blocks; real vocabularies
 # on the GPU.
@@ -102,3 +105,28 @@ def test_cpu_path_gives_the_reference_tokens(scale):
             logits[4, :] = float("-inf")  # nothing allowed: the reference's answer (token 0)
         assert torch.equal(gumbel_argmax_cpu(logits, temperatures, seeds, steps),
                            gumbel_argmax_ref(logits, temperatures, seeds, steps))
+
+
+@pytest.mark.parametrize("offset", [0, 1000, 64128])
+def test_a_shard_scores_its_tokens_as_the_whole_vocabulary_does(device, offset):
+    """gumbel_max_* on columns [offset, offset + 900) of a vocabulary: the best score and token of
+    those columns, each token scored by its id (the noise of the whole-vocabulary kernel)."""
+    logits, temperatures, seeds, steps = inputs(7, offset + 900, device, seed=4)
+    shard = logits[:, offset:].contiguous()
+    ref_best, ref_ids = gumbel_max_ref(shard, temperatures, seeds, steps, offset)
+    assert ((ref_ids >= offset) & (ref_ids < offset + 900)).all()
+    # the reference's scores of the whole vocabulary, restricted to the shard
+    noisy = (temperatures > 0)[:, None]
+    whole = torch.where(noisy, temperature_scaled(logits, temperatures)
+                        + _gumbel(uniform_noise(seeds, steps, logits.shape[-1])), logits)[:, offset:]
+    assert torch.equal(ref_ids, whole.argmax(-1) + offset) and torch.equal(ref_best, whole.amax(-1))
+    cpu_best, cpu_ids = gumbel_max_cpu(shard.cpu(), temperatures.cpu(), seeds.cpu(), steps.cpu(), offset)
+    assert torch.equal(cpu_ids, ref_ids.cpu()) and torch.equal(cpu_best, ref_best.cpu())
+    best, ids = gumbel_max_triton(shard, temperatures, seeds, steps, offset)
+    assert (ids == ref_ids).float().mean() >= 0.85  # (a tie in fp32 rounding may pick another)
+    same = ids == ref_ids
+    torch.testing.assert_close(best[same], ref_best[same], rtol=1e-5, atol=1e-5)
+    # the token the whole-vocabulary kernel gives where the shard's best is the row's best
+    full = gumbel_argmax_triton(logits, temperatures, seeds, steps)
+    here = (full >= offset)
+    assert torch.equal(ids[here], full[here])

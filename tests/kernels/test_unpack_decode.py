@@ -20,7 +20,7 @@ def decode_step(n, pending, rng):
     arrays.update(input_ids=ids, positions=positions, out_slots=slots, logits_indices=list(range(n)),
                   pending_dst=dst, pending_src=src, token_rows=rows, rows=rows, kv_lens=[p + 1 for p in positions],
                   cu_q=list(range(n + 1)))
-    return StepInputs.pack([n, n, max(positions) + 1 if n else 0, 0], [arrays[f] for f in FIELDS]).packed
+    return StepInputs.pack([n, n, max(positions) + 1 if n else 0, 0, 0], [arrays[f] for f in FIELDS]).packed
 
 
 @pytest.mark.parametrize("size,n,pending", [(1, 1, {0}), (1, 1, set()), (5, 3, {0, 2}), (16, 16, set(range(16))),
