@@ -18,10 +18,19 @@ one clear error and rank 0 closes and exits (tests/gpu/test_symmetric_all_reduce
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# torch's rendezvous (2.11 at least) numbers the store exchanges it makes with a counter per process:
+# a process's second engine would meet fresh workers (counters at 0) with its counter further on, and
+# every rank would wait for keys the others never write (it hung so on 2xH200). So only the first
+# tensor-parallel engine of a process uses symmetric memory; later ones use NCCL.
+_opened_in_this_process = False
 
 MAX_BYTES = 2 << 20  # 2 MiB: the largest message measured (256 x 4096 bf16); NCCL above it
 DTYPE = torch.bfloat16  # the dtype it was measured in
@@ -82,6 +91,9 @@ def supported_here(rank: int, size: int, device: torch.device) -> bool:
     must agree before the (collective) set-up."""
     if device.type != "cuda" or size < 2 or os.environ.get("BATCHGEN_SYMM_ALL_REDUCE", "1") == "0":
         return False
+    if _opened_in_this_process:  # (a later engine: see _opened_in_this_process)
+        log.info("tensor parallelism: NCCL all-reduces (symmetric memory serves only a process's first engine)")
+        return False
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
 
@@ -106,6 +118,8 @@ def open_symmetric(store, rank: int, size: int, device: torch.device, backend, s
     engines in one process never share it)."""
     import torch.distributed._symmetric_memory as symm_mem
 
+    global _opened_in_this_process
+    _opened_in_this_process = True  # (set before the rendezvous: one that fails is not retried either)
     name = "batchgen-tp-" + hashlib.sha1(store_path.encode()).hexdigest()[:16]
     group = dist.ProcessGroup(dist.PrefixStore("symmetric", store), rank, size)
     group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)

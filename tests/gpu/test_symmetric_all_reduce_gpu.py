@@ -117,3 +117,33 @@ def test_killed_rank_with_symmetric_all_reduce_still_ends(tiny_model, tmp_path):
                           timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
     assert "ERROR tensor-parallel rank 1 failed: its process was killed by SIGKILL" in done.stdout, done.stderr[-3000:]
     assert "CLOSED" in done.stdout and done.returncode == 0, done.stderr[-3000:]
+
+
+TWO_ENGINES = r"""
+import sys
+from batchgen import LLM, SamplingParams
+
+if __name__ == "__main__":  # the workers start by spawn and import this module
+    paths, tokens = [], []
+    for _ in range(2):  # the second engine's workers are fresh processes; rank 0 is not
+        llm = LLM(sys.argv[1], dtype="bfloat16", tensor_parallel_size=2, max_num_seqs=8)
+        paths.append(llm.describe()["tensor_parallel_all_reduce"])
+        rows = [{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [7, 8]}]
+        tokens.append([r["output_token_ids"] for r in llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=12))])
+        llm.close()
+    print("PATHS", paths, flush=True)
+    print("SAME", tokens[0] == tokens[1], flush=True)
+"""
+
+
+def test_a_second_engine_in_a_process_uses_nccl(tiny_model, tmp_path):
+    """torch's rendezvous numbers its store exchanges per process: a second engine (fresh workers,
+    rank 0's counter further on) hung in it. Only a process's first engine uses symmetric memory."""
+    script = tmp_path / "two.py"
+    script.write_text(TWO_ENGINES)
+    paths = [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
+    done = subprocess.run([sys.executable, str(script), str(tiny_model("llama"))], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "PATHS ['symmetric memory up to 2 MiB of bf16, NCCL above', 'NCCL']" in done.stdout, done.stdout
+    assert "SAME True" in done.stdout
