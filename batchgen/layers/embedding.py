@@ -40,22 +40,18 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] (only the tokens that sample) -> logits [S, vocab] in fp32."""
-        if self.tp.size == 1 and hidden.is_cuda and hidden.dtype != torch.float32:
-            if streams_weight(hidden):  # one row: 117 vs 125 us for llama-3.2-1b's head on an H200
-                return skinny_gemm(hidden, self.weight, out_dtype=torch.float32)[:, : self.vocab_size]
-            logits = self._fp32_product(hidden)
-            if logits is not None:
-                return logits[:, : self.vocab_size]
+        if self.tp.size == 1:
+            return self.shard_logits(hidden)
         logits = self.tp.all_gather_last_dim(self.matmul(hidden))
         return logits[:, : self.vocab_size].float()
 
     def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> this rank's logits [S, V'] in fp32: token ids start + [0, V'), the real
-        vocabulary's part of its rows (engine/shard_sampling.py)."""
+        vocabulary's part of its rows (all of it at TP=1; engine/shard_sampling.py)."""
         real = max(0, min(self.rows_per_rank, self.vocab_size - self.start))
         logits = None
         if hidden.is_cuda and hidden.dtype != torch.float32:
-            if streams_weight(hidden):
+            if streams_weight(hidden):  # one row: 117 vs 125 us for llama-3.2-1b's head on an H200
                 return skinny_gemm(hidden, self.weight, out_dtype=torch.float32)[:, :real]
             logits = self._fp32_product(hidden)
         if logits is None:
