@@ -33,7 +33,8 @@ class TensorParallel:
     _aborting: list = field(default_factory=list, compare=False, repr=False)  # the abort thread, once started
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks: in place, or a new tensor when x is reduce_buffer()'s."""
+        """Sum over ranks, in place (x may be reduce_buffer()'s: its sum is valid until the next product
+        writes into that buffer)."""
         if self.symmetric is not None and self.symmetric.fits(x):
             return self.symmetric(x)
         if self.size > 1:

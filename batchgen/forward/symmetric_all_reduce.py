@@ -35,6 +35,10 @@ _opened_in_this_process = False
 MAX_BYTES = 2 << 20  # 2 MiB: the largest message measured (256 x 4096 bf16); NCCL above it
 DTYPE = torch.bfloat16  # the dtype it was measured in
 ELEMENT_MULTIPLE = 64  # numel a multiple of this: every rank's slice stays 16-byte aligned
+# The in-place two-shot kernel, whose sum stays in the buffer: 10.9 us for [192, 4096] bf16 on 2xH200
+# against 15.0 us for torch's out-of-place variant (two_shot_all_reduce_out), in CUDA graphs, same
+# call (benchmarks/KERNELS.md, session 10).
+IN_PLACE = True
 
 
 class SymmetricAllReduce:
@@ -42,7 +46,7 @@ class SymmetricAllReduce:
         self.group_name = group_name
         self.buffer = buffer  # [MAX_BYTES / 2] bf16, mapped by every rank
         ops = torch.ops.symm_mem
-        self._reduce_out = getattr(ops, "two_shot_all_reduce_out", None)  # (newer torch; else in place + copy)
+        self._reduce_out = getattr(ops, "two_shot_all_reduce_out", None)  # (measured slower: IN_PLACE)
         self._reduce_in_place = ops.two_shot_all_reduce_
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -59,20 +63,27 @@ class SymmetricAllReduce:
         return self.buffer[:numel].view(rows, cols)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of x over ranks: into x, or into a new tensor where x is the staging buffer itself."""
+        """Sum of x over ranks: the buffer itself where x is the staging buffer (a product wrote it there:
+        the sum is valid until the next product writes into it, and every consumer of a row-parallel
+        product's sum runs before that), otherwise into x (which a caller may keep: the embedding's sum
+        is the first layer's residual)."""
         flat = x.view(-1)
         staged = self.buffer[: flat.numel()]
-        if flat.data_ptr() == staged.data_ptr():  # the product wrote it there (staging())
-            out = torch.empty_like(flat)
-        else:
-            staged.copy_(flat)
-            out = flat
-        if self._reduce_out is not None:
-            self._reduce_out(staged, "sum", self.group_name, out)  # staged is scratch
+        out_of_place = self._reduce_out is not None and not IN_PLACE
+        if flat.data_ptr() == staged.data_ptr():
+            if out_of_place:
+                out = torch.empty_like(flat)
+                self._reduce_out(staged, "sum", self.group_name, out)
+                return out.view(x.shape)
+            self._reduce_in_place(staged, "sum", self.group_name)
+            return x
+        staged.copy_(flat)
+        if out_of_place:
+            self._reduce_out(staged, "sum", self.group_name, flat)  # staged is scratch
         else:
             self._reduce_in_place(staged, "sum", self.group_name)
-            out.copy_(staged)
-        return out.view(x.shape)
+            flat.copy_(staged)
+        return x
 
     def close(self) -> None:
         """Forget the group (its registry entry holds the NCCL backend) and the buffer."""

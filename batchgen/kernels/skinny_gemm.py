@@ -187,11 +187,12 @@ def prefetched_chunks(num_programs: int, k: int, block_k: int) -> int:
     return 2 if k > block_k and num_programs <= PREFETCH_MAX_PROGRAMS else 1
 
 
-def _launch(x, weight, bias, out_dtype, tile, silu_mul=False, residual=None, norm_weight=None, eps=0.0):
+def _launch(x, weight, bias, out_dtype, tile, silu_mul=False, residual=None, norm_weight=None, eps=0.0, out=None):
     num_rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     assert num_rows <= MAX_ROWS and x.shape[1] == (2 * k if silu_mul else k)
     assert x.stride(1) == 1 and weight.stride(1) == 1 and (bias is None or bias.is_contiguous())
-    y = torch.empty((num_rows, n), dtype=out_dtype or x.dtype, device=x.device)
+    y = torch.empty((num_rows, n), dtype=out_dtype or x.dtype, device=x.device) if out is None else out
+    assert y.shape == (num_rows, n) and y.stride(1) == 1 and y.dtype == (out_dtype or x.dtype)
     new_residual = x
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
@@ -218,11 +219,11 @@ def _launch(x, weight, bias, out_dtype, tile, silu_mul=False, residual=None, nor
 
 def skinny_gemm_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-    out_dtype: torch.dtype | None = None, tile: Tile | None = None,
+    out_dtype: torch.dtype | None = None, tile: Tile | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (or gate/up [M, 2K] with silu_mul) @ weight [N, K]^T (+ bias [N]) -> [M, N] in
-    out_dtype (default x's)."""
-    return _launch(x, weight, bias, out_dtype, tile, silu_mul=silu_mul)[0]
+    out_dtype (default x's), into out when given."""
+    return _launch(x, weight, bias, out_dtype, tile, silu_mul=silu_mul, out=out)[0]
 
 
 def normed_skinny_gemm_triton(
@@ -259,11 +260,12 @@ def normed_skinny_gemm_ref(
 
 def skinny_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if x.is_cuda:
-        return skinny_gemm_triton(x, weight, bias, silu_mul, out_dtype)
-    return skinny_gemm_ref(x, weight, bias, silu_mul, out_dtype)
+        return skinny_gemm_triton(x, weight, bias, silu_mul, out_dtype, out=out)
+    y = skinny_gemm_ref(x, weight, bias, silu_mul, out_dtype)
+    return y if out is None else out.copy_(y)
 
 
 def normed_skinny_gemm(

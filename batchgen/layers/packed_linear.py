@@ -93,10 +93,10 @@ class PackableWeight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] @ weight^T (+ bias); silu_mul: x is a gate/up pair [T, 2 in] and the product takes
-        silu(gate) * up. out [T, out]: where cuBLAS's product (no bias) is written; the other paths
-        return a new tensor."""
+        silu(gate) * up. out [T, out]: where the GPU's product (no bias) is written; the CPU's packed
+        product returns a new tensor."""
         if self.streams(x):
-            return skinny_gemm(x, self.weight, bias, silu_mul)
+            return skinny_gemm(x, self.weight, bias, silu_mul, out=out if bias is None else None)
         if silu_mul:
             x = silu_and_mul(x)
         if self.packed is not None:

@@ -1,7 +1,8 @@
 """On two GPUs: the engine's all-reduce through symmetric memory (forward/symmetric_all_reduce.py).
 
 - It gives NCCL's sums bit for bit (two ranks: one rounding of a + b either way), run eagerly and
-  replayed from a CUDA graph with new inputs, also from a tensor written into its buffer; tensors it does not take (over 2 MiB, fp32, a size
+  replayed from a CUDA graph with new inputs, also from a tensor written into its buffer (summed there, in
+  place); tensors it does not take (over 2 MiB, fp32, a size
   that would misalign a rank's slice) go to NCCL and give the same.
 - A rank killed in the middle of a job: rank 0 reports it, as with NCCL, and its process still ends
   (the symmetric kernel cannot be aborted; the test runs the engine in a child process).
@@ -50,8 +51,8 @@ def _rank(rank, store_path):
         assert (staged is not None) == symmetric
         if staged is not None:
             staged.copy_(x)
-            summed = tp.all_reduce(staged)
-            assert summed.data_ptr() != staged.data_ptr() and torch.equal(summed, _nccl_sum(tp, x))
+            summed = tp.all_reduce(staged)  # in place: the sum stays in the buffer
+            assert summed.data_ptr() == staged.data_ptr() and torch.equal(summed, _nccl_sum(tp, x))
 
         static = x.clone()
         stream = torch.cuda.Stream()

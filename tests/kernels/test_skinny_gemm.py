@@ -95,3 +95,16 @@ def test_chunks_before_the_wait(device, assert_close, monkeypatch, k, mode, defe
         got = skinny_gemm_triton(x, weight, silu_mul=mode == "silu_mul", tile=tile)
         want = skinny_gemm_ref(x, weight, silu_mul=mode == "silu_mul")
     assert_close(got, want, scale=2)
+
+
+def test_writes_into_out(device, assert_close):
+    """out (the tensor-parallel all-reduce's buffer, TensorParallel.reduce_buffer) gets the product in place."""
+    torch.manual_seed(2)
+    x = torch.randn(1, 64, device=device)
+    weight = torch.randn(24, 64, device=device)
+    out = torch.full((1, 24), float("nan"), device=device)
+    got = skinny_gemm_triton(x, weight, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert_close(out, skinny_gemm_ref(x, weight))
+    with pytest.raises(AssertionError):  # the wrong shape is refused, not written past
+        skinny_gemm_triton(x, weight, out=torch.empty(1, 23, device=device))
