@@ -243,7 +243,7 @@ def _padded_prefill(q, k_cache, v_cache, req_to_token, rows, starts, q_lens, kv_
     """Many short chunks in one attention call: queries and keys padded to the longest chunk and
     context ([P, H, max_q_len, max_kv_len] scores), padding masked out."""
     dev = q.device
-    num, max_kv_len = len(rows), max(kv_lens)
+    max_kv_len = max(kv_lens)
     q_lens_t, kv_lens_t = torch.tensor(q_lens, device=dev), torch.tensor(kv_lens, device=dev)
     qi = torch.arange(max_q_len, device=dev)
     q_valid = qi[None, :] < q_lens_t[:, None]  # [P, Mq]
