@@ -265,7 +265,10 @@ def skinny_gemm(
     if x.is_cuda:
         return skinny_gemm_triton(x, weight, bias, silu_mul, out_dtype, out=out)
     y = skinny_gemm_ref(x, weight, bias, silu_mul, out_dtype)
-    return y if out is None else out.copy_(y)
+    if out is None:
+        return y
+    assert out.shape == y.shape and out.dtype == y.dtype
+    return out.copy_(y)
 
 
 def normed_skinny_gemm(

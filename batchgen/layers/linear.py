@@ -100,6 +100,9 @@ class RowParallelLinear(PackableWeight, nn.Module):
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """silu_mul: x is a gate/up pair, the product takes silu(gate) * up (an MLP's down projection)."""
+        # The sum may come back as the symmetric buffer itself (forward/symmetric_all_reduce.py): it is
+        # valid until the next row-parallel product writes there, so it must be consumed before that
+        # (as the add + RMSNorm after each of a layer's two products is); keep it past it only as a copy.
         out = self.tp.reduce_buffer(x.shape[0], self.weight.shape[0], x.dtype) if x.dim() == 2 else None
         y = self.tp.all_reduce(self.matmul(x, silu_mul=silu_mul, out=out))
         return y if self.bias is None else y + self.bias
