@@ -5,8 +5,9 @@ NCCL's ring took 16 us for one row of 4096 bf16 and 37 us for 256 rows; torch's 
 over symmetric memory (`torch.ops.symm_mem`) 6 and 13 us, with the same sums bit for bit
 (benchmarks/KERNELS.md). Each rank copies its tensor into a buffer that every rank has mapped; the
 kernel sums one slice of the elements per rank, reading every rank's buffer, then gathers the sums
-into each rank's output. Row-parallel products write their partial sums straight into that buffer
-where they can (TensorParallel.reduce_buffer), which saves the copy. It meets the peers through signal flags in that memory, so it stays in
+into every rank's buffer, in place (torch's out-of-place variant took 15.0 us against 10.9 for
+[192, 4096] bf16 on 2xH200: KERNELS.md, session 10). Row-parallel products write their partial sums
+straight into that buffer where they can (TensorParallel.reduce_buffer), which saves the copy. It meets the peers through signal flags in that memory, so it stays in
 order with the step's other kernels and CUDA graphs capture it like any kernel.
 
 Larger tensors (prefill chunks) stay with NCCL, and so do other dtypes and GPUs without peer
@@ -35,19 +36,13 @@ _opened_in_this_process = False
 MAX_BYTES = 2 << 20  # 2 MiB: the largest message measured (256 x 4096 bf16); NCCL above it
 DTYPE = torch.bfloat16  # the dtype it was measured in
 ELEMENT_MULTIPLE = 64  # numel a multiple of this: every rank's slice stays 16-byte aligned
-# The in-place two-shot kernel, whose sum stays in the buffer: 10.9 us for [192, 4096] bf16 on 2xH200
-# against 15.0 us for torch's out-of-place variant (two_shot_all_reduce_out), in CUDA graphs, same
-# call (benchmarks/KERNELS.md, session 10).
-IN_PLACE = True
 
 
 class SymmetricAllReduce:
     def __init__(self, group_name: str, buffer: torch.Tensor):
         self.group_name = group_name
         self.buffer = buffer  # [MAX_BYTES / 2] bf16, mapped by every rank
-        ops = torch.ops.symm_mem
-        self._reduce_out = getattr(ops, "two_shot_all_reduce_out", None)  # (measured slower: IN_PLACE)
-        self._reduce_in_place = ops.two_shot_all_reduce_
+        self._reduce_in_place = torch.ops.symm_mem.two_shot_all_reduce_
 
     def fits(self, x: torch.Tensor) -> bool:
         """The same answer on every rank: ranks all-reduce tensors of the same shape and dtype."""
@@ -69,19 +64,11 @@ class SymmetricAllReduce:
         is the first layer's residual)."""
         flat = x.view(-1)
         staged = self.buffer[: flat.numel()]
-        out_of_place = self._reduce_out is not None and not IN_PLACE
-        if flat.data_ptr() == staged.data_ptr():
-            if out_of_place:
-                out = torch.empty_like(flat)
-                self._reduce_out(staged, "sum", self.group_name, out)
-                return out.view(x.shape)
-            self._reduce_in_place(staged, "sum", self.group_name)
-            return x
-        staged.copy_(flat)
-        if out_of_place:
-            self._reduce_out(staged, "sum", self.group_name, flat)  # staged is scratch
-        else:
-            self._reduce_in_place(staged, "sum", self.group_name)
+        written_there = flat.data_ptr() == staged.data_ptr()
+        if not written_there:
+            staged.copy_(flat)
+        self._reduce_in_place(staged, "sum", self.group_name)
+        if not written_there:
             flat.copy_(staged)
         return x
 
