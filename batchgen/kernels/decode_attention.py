@@ -164,7 +164,7 @@ def _decode_merge_kernel(
 _NUM_SMS: dict[int, int] = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _NUM_SMS:
         _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -253,7 +253,7 @@ def decode_attention_triton(
         block_n, num_warps, num_stages = TILE_SMALL
     else:
         block_n, num_warps, num_stages = TILE_HEAD_DIM_64 if head_dim <= 64 else TILE_HEAD_DIM_128
-    sms = _num_sms(q.device) if q.is_cuda else 4
+    sms = num_sms(q.device) if q.is_cuda else 4
     num_splits = _pick_num_splits(q.shape[0], k_cache.shape[1], max_kv_len, block_n, sms)
     return _decode_attention_launch(
         q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale,

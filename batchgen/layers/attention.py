@@ -4,11 +4,19 @@ when the batch says so (step graphs), otherwise decode attention for the decode 
 prefill (extend) attention for the chunks."""
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from batchgen.forward.batch import ForwardBatch
 from batchgen.kernels import decode_attention, prefill_attention, rope_store_kv, unified_attention
+from batchgen.kernels.decode_attention import num_sms
+from batchgen.kernels.rope_decode_attention import rope_decode_attention_triton
+
+
+def one_row_attention_enabled() -> bool:
+    return os.environ.get("BATCHGEN_ONE_ROW_ATTENTION", "1") != "0"
 
 
 class Attention(nn.Module):
@@ -17,6 +25,22 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         # [num_slots, num_kv_heads, head_dim] each; the runner assigns this layer's slice of the pool
         self.k_cache = self.v_cache = torch.empty(0)
+
+    def decode_one_row(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                       batch: ForwardBatch) -> torch.Tensor | None:
+        """A decode step of one sequence on a GPU: rope, the KV store and attention in one launch
+        (kernels/rope_decode_attention.py) from the qkv product [1, (Hq + 2 Hk) D] -> [1, Hq, D].
+        None where that does not apply (the caller takes forward)."""
+        d = self.head_dim
+        if not (qkv.is_cuda and qkv.shape[0] == 1 and batch.num_decode == 1 and batch.num_prefill == 0
+                and not batch.unified and self.k_cache.dtype == qkv.dtype and d % 32 == 0 and d & (d - 1) == 0
+                and one_row_attention_enabled()):
+            return None
+        return rope_decode_attention_triton(
+            qkv, self.num_heads, self.num_kv_heads, self.k_cache, self.v_cache, batch.req_to_token,
+            batch.decode_rows, batch.decode_kv_lens, positions, batch.out_slots, cos_sin_cache,
+            batch.decode_max_kv_len, self.scale, num_sms(qkv.device),
+        )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -36,6 +36,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """qkv: [T, (Hq + 2 Hk) D], from qkv_proj (which the layer runs with its norm)."""
+        if self.q_norm is None:  # one decode row on a GPU: rope, KV store and attention in one launch
+            o = self.attn.decode_one_row(qkv, positions, self.rotary.cos_sin_cache, batch)
+            if o is not None:
+                return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # strided views into qkv: no copies

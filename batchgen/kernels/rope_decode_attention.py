@@ -1,0 +1,233 @@
+"""Rope, the KV store and decode attention in one launch, for decode steps of few sequences (the
+engine takes it at one: W-decode1). At one row the three kernels it replaces (rope + store, the
+split, the merge) cost ~11 us a layer of llama-3.2-1b on an H200 for ~2 MB of K/V: their time is
+latency (launches, and a chain of dependent loads: slots, then keys), not bytes.
+
+Program (kv head g, split c, sequence i) does, for the G = Hq / Hk query heads of g:
+
+  before the PDL wait   the split's keys [c S, (c + 1) S) (S = ceil(L / C) rounded up to BLOCK_N,
+                        L = kv_lens[i]): their slots and the cached K/V of every key but the new
+                        one (position L - 1), BLOCK_N keys of them (the rest after the wait);
+  after it              q and the new k rotated (NeoX halves, fp32, rounded to q's dtype as
+                        kernels/rotary.py rounds), k and v stored at out_slots[i] by the split that
+                        holds L - 1 (which uses them from registers), then stage 1 of
+                        kernels/decode_attention.py: lse_c and o_c of the split;
+  the last split of (i, g) to finish (a counter per (i, g), acq_rel) merges the C parts into the
+  output, as that file's stage 2, and sets the counter back to 0.
+
+What it reads before the wait (kernels/pdl.py): the step's index arrays (written by the step's first
+kernel) and K/V at positions before L - 1 (written by earlier steps). Every kernel before the one
+before this has finished when this one starts, and the one before (the qkv product) writes neither.
+q, k and v are its output: read after the wait. Split-local data crosses programs only through the
+merge, read past L1 (.cg).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from batchgen.kernels.decode_attention import decode_attention_ref
+from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.rope_store_kv import rope_store_kv_ref
+
+BLOCK_N = 64  # keys a step; a split of at most this many keys is read whole before the wait
+MAX_SPLITS = 64
+MAX_COUNTERS = 4096  # (sequence, kv head) pairs the persistent counters cover
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _kv_halves(cache_ptr, offs, mask, HALF: tl.constexpr):
+    return (tl.load(cache_ptr + offs, mask=mask[:, None], other=0.0),
+            tl.load(cache_ptr + offs + HALF, mask=mask[:, None], other=0.0))
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, dtype):
+    """NeoX rope on the halves of heads, fp32, rounded to dtype."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit(do_not_specialize=["qk_scale"])
+def _rope_decode_attention_kernel(
+    qkv_ptr,  # [B, (Hq + 2 Hk) D] the qkv product: q, k, v before rope
+    qkv_stride,  # elements between two sequences of qkv
+    k_cache_ptr, v_cache_ptr,  # [num_slots, Hk, D]
+    cache_stride_s, cache_stride_h,
+    req_to_token_ptr, req_to_token_stride,
+    rows_ptr, kv_lens_ptr, positions_ptr, out_slots_ptr,  # [B] each
+    cos_sin_ptr,  # [P, D] fp32: cos in [0, D/2), sin in [D/2, D)
+    part_o_ptr,  # [B, Hq, C, D] fp32
+    part_lse_ptr,  # [B, Hq, C] fp32
+    counters_ptr,  # [B, Hk] int32, 0 between launches
+    out_ptr,  # [B, Hq, D]
+    num_q_heads, num_kv_heads, num_splits, qk_scale,
+    GROUP: tl.constexpr,  # G
+    BLOCK_G: tl.constexpr,  # next power of 2 >= G, at least 16 (tl.dot)
+    MERGE_G: tl.constexpr,  # next power of 2 >= G
+    HALF: tl.constexpr,  # D / 2 (a power of 2, at least 16)
+    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # next power of 2 >= C
+    PDL: tl.constexpr,
+):
+    g = tl.program_id(0)
+    c = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    dtype = qkv_ptr.dtype.element_ty
+    d = tl.arange(0, HALF)
+    # ---- before the wait: the step's indices and the cached keys (see the module's doc)
+    kv_len = tl.load(kv_lens_ptr + seq)
+    last = kv_len - 1
+    span = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    start = c * span
+    end = tl.minimum(start + span, kv_len)
+    token_row = req_to_token_ptr + tl.load(rows_ptr + seq).to(tl.int64) * req_to_token_stride
+    head_offs = g.to(tl.int64) * cache_stride_h
+    t = start + tl.arange(0, BLOCK_N)
+    cached = (t < end) & (t < last)
+    slots = tl.load(token_row + t, mask=cached, other=0).to(tl.int64)
+    offs = slots[:, None] * cache_stride_s + head_offs + d[None, :]
+    k1, k2 = _kv_halves(k_cache_ptr, offs, cached, HALF)
+    v1, v2 = _kv_halves(v_cache_ptr, offs, cached, HALF)
+    pos = tl.load(positions_ptr + seq).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + d)
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + d)
+    wait_for_prior_kernels(PDL)
+    # ---- q and the new k / v
+    j = tl.arange(0, BLOCK_G)
+    head_ok = j < GROUP
+    heads = g * GROUP + j
+    q_ptrs = qkv_ptr + seq * qkv_stride + heads[:, None] * (2 * HALF) + d[None, :]
+    q1, q2 = _rotate(tl.load(q_ptrs, mask=head_ok[:, None], other=0.0),
+                     tl.load(q_ptrs + HALF, mask=head_ok[:, None], other=0.0), cos[None, :], sin[None, :], dtype)
+    k_new_ptr = qkv_ptr + seq * qkv_stride + (num_q_heads + g) * (2 * HALF)
+    v_new_ptr = qkv_ptr + seq * qkv_stride + (num_q_heads + num_kv_heads + g) * (2 * HALF)
+    new_k1, new_k2 = _rotate(tl.load(k_new_ptr + d), tl.load(k_new_ptr + HALF + d), cos, sin, dtype)
+    new_v1 = tl.load(v_new_ptr + d)
+    new_v2 = tl.load(v_new_ptr + HALF + d)
+    if (start <= last) & (last < end):
+        slot = tl.load(out_slots_ptr + seq).to(tl.int64) * cache_stride_s + head_offs
+        tl.store(k_cache_ptr + slot + d, new_k1.to(k_cache_ptr.dtype.element_ty))
+        tl.store(k_cache_ptr + slot + HALF + d, new_k2.to(k_cache_ptr.dtype.element_ty))
+        tl.store(v_cache_ptr + slot + d, new_v1.to(v_cache_ptr.dtype.element_ty))
+        tl.store(v_cache_ptr + slot + HALF + d, new_v2.to(v_cache_ptr.dtype.element_ty))
+    # ---- stage 1 over the split, the first BLOCK_N keys already loaded
+    m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    total = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_G, HALF), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_G, HALF), dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        if t0 != start:
+            t = t0 + tl.arange(0, BLOCK_N)
+            cached = (t < end) & (t < last)
+            slots = tl.load(token_row + t, mask=cached, other=0).to(tl.int64)
+            offs = slots[:, None] * cache_stride_s + head_offs + d[None, :]
+            k1, k2 = _kv_halves(k_cache_ptr, offs, cached, HALF)
+            v1, v2 = _kv_halves(v_cache_ptr, offs, cached, HALF)
+        is_new = (t == last)[:, None]
+        kt1 = tl.where(is_new, new_k1[None, :], k1)
+        kt2 = tl.where(is_new, new_k2[None, :], k2)
+        s = tl.dot(q1, tl.trans(kt1)) + tl.dot(q2, tl.trans(kt2))
+        s = tl.where((t < end)[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        vt1 = tl.where(is_new, new_v1[None, :], v1)
+        vt2 = tl.where(is_new, new_v2[None, :], v2)
+        acc1 = acc1 * alpha[:, None] + tl.dot(p.to(dtype), vt1)
+        acc2 = acc2 * alpha[:, None] + tl.dot(p.to(dtype), vt2)
+        m = m_new
+    has_keys = total > 0  # (a split past the context: lse_c = -inf, o_c = 0)
+    safe_total = tl.where(has_keys, total, 1.0)
+    part = (seq * num_q_heads + heads) * num_splits + c
+    tl.store(part_lse_ptr + part, tl.where(has_keys, m + tl.log2(safe_total), float("-inf")), mask=head_ok)
+    tl.store(part_o_ptr + part[:, None] * (2 * HALF) + d[None, :], acc1 / safe_total[:, None], mask=head_ok[:, None])
+    tl.store(part_o_ptr + part[:, None] * (2 * HALF) + HALF + d[None, :], acc2 / safe_total[:, None],
+             mask=head_ok[:, None])
+    # ---- the last split of (sequence, kv head) merges
+    tl.debug_barrier()  # every thread's part is written before the count says so
+    counter = counters_ptr + seq * num_kv_heads + g
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        tl.atomic_xchg(counter, 0)
+        tl.debug_barrier()
+        mj = tl.arange(0, MERGE_G)
+        merge_heads = g * GROUP + mj
+        cs = tl.arange(0, BLOCK_C)
+        ok = (mj < GROUP)[:, None] & (cs < num_splits)[None, :]
+        rows = (seq * num_q_heads + merge_heads[:, None]) * num_splits + cs[None, :]  # [MERGE_G, BLOCK_C]
+        lses = tl.load(part_lse_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        top = tl.max(lses, axis=1)
+        weights = tl.exp2(lses - tl.where(top > float("-inf"), top, 0.0)[:, None])
+        weights = weights / tl.maximum(tl.sum(weights, axis=1), 1e-30)[:, None]  # (padded heads: 0, not 0 / 0)
+        out_rows = out_ptr + (seq * num_q_heads + merge_heads)[:, None] * (2 * HALF) + d[None, :]
+        for h in tl.static_range(2):  # one half of D at a time (registers)
+            o = tl.load(part_o_ptr + rows[:, :, None] * (2 * HALF) + h * HALF + d[None, None, :],
+                        mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+            merged = tl.sum(o * weights[:, :, None], axis=1)
+            tl.store(out_rows + h * HALF, merged.to(out_ptr.dtype.element_ty), mask=(mj < GROUP)[:, None])
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's split counters, allocated once (outside any CUDA graph: at warm-up)."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def num_splits_for(num_seqs: int, num_kv_heads: int, max_kv_len: int, sms: int) -> int:
+    """About two programs an SM, and no more splits than max_kv_len has blocks."""
+    return max(1, min(triton.cdiv(2 * sms, num_seqs * num_kv_heads), triton.cdiv(max_kv_len, BLOCK_N), MAX_SPLITS))
+
+
+def rope_decode_attention_triton(
+    qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, positions: torch.Tensor,
+    out_slots: torch.Tensor, cos_sin_cache: torch.Tensor, max_kv_len: int, scale: float, num_programs_hint: int,
+) -> torch.Tensor:
+    """qkv [B, (Hq + 2 Hk) D] (before rope) -> attention output [B, Hq, D]; stores the rotated k and v
+    at out_slots. num_programs_hint: the GPU's SM count (4 on the CPU interpreter)."""
+    num_seqs = qkv.shape[0]
+    head_dim = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    assert qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
+    assert head_dim % 32 == 0 and head_dim & (head_dim - 1) == 0 and num_q_heads == group * num_kv_heads
+    assert k_cache.dtype == v_cache.dtype == qkv.dtype and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous() and cos_sin_cache.shape[1] == head_dim
+    assert num_seqs * num_kv_heads <= MAX_COUNTERS
+    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_seqs == 0:
+        return out
+    splits = num_splits_for(num_seqs, num_kv_heads, max_kv_len, num_programs_hint)
+    f32 = dict(dtype=torch.float32, device=qkv.device)
+    part_o = torch.empty((num_seqs, num_q_heads, splits, head_dim), **f32)
+    part_lse = torch.empty((num_seqs, num_q_heads, splits), **f32)
+    _rope_decode_attention_kernel[(num_kv_heads, splits, num_seqs)](
+        qkv, qkv.stride(0), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), req_to_token,
+        req_to_token.stride(0), rows, kv_lens, positions, out_slots, cos_sin_cache, part_o, part_lse,
+        _counters(qkv.device), out, num_q_heads, num_kv_heads, splits, scale * math.log2(math.e),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), MERGE_G=triton.next_power_of_2(group),
+        HALF=head_dim // 2, BLOCK_N=BLOCK_N, BLOCK_C=triton.next_power_of_2(splits), num_warps=4,
+        **pdl_launch_args(qkv.device),
+    )
+    return out
+
+
+def rope_decode_attention_ref(
+    qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, positions: torch.Tensor,
+    out_slots: torch.Tensor, cos_sin_cache: torch.Tensor, max_kv_len: int, scale: float,
+) -> torch.Tensor:
+    """The ops it fuses: rope_store_kv, then decode attention."""
+    head_dim = k_cache.shape[2]
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.reshape(-1, num_q_heads, head_dim).clone()
+    k = k.reshape(-1, num_kv_heads, head_dim).clone()
+    v = v.reshape(-1, num_kv_heads, head_dim)
+    rope_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_slots)
+    return decode_attention_ref(q, k_cache, v_cache, req_to_token, rows, kv_lens, max_kv_len, scale)

@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from batchgen.kernels.rope_decode_attention import (
+    _counters, rope_decode_attention_ref, rope_decode_attention_triton,
+)
+from tests.kernels.test_rotary import _cos_sin_cache
+
+# (q heads, kv heads, head_dim, context lengths, SMs): a split of several key blocks (few SMs), one of a
+# block, several sequences with a context of 1 among them, GQA groups of 1, 2 and 3 (not a power of 2);
+# llama-3.2-1b and qwen2.5-0.5b shapes at one row on the GPU.
+SHAPES = [(4, 2, 32, [300], 2), (2, 1, 64, [70], 132), (6, 2, 32, [5, 1, 131], 4), (3, 3, 32, [64], 8)] + [
+    pytest.param(*s, marks=pytest.mark.gpu) for s in [(32, 8, 64, [1100], 132), (14, 2, 64, [900], 132),
+                                                      (32, 8, 64, [5000], 132)]
+]
+
+
+def _case(q_heads, kv_heads, head_dim, lens, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs, width = len(lens), max(lens) + 3
+    num_slots = sum(lens) + 11
+    qkv = torch.randn(num_seqs, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+    k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(device, dtype)
+    req_to_token = torch.zeros(num_seqs + 2, width, dtype=torch.int32)
+    perm = torch.randperm(num_slots, generator=gen).int()
+    rows = torch.arange(num_seqs, dtype=torch.int32) + 1  # row 0 unused
+    taken = 0
+    for row, n in zip(rows.tolist(), lens):
+        req_to_token[row, :n] = perm[taken:taken + n]
+        taken += n
+    out_slots = torch.stack([req_to_token[r, n - 1] for r, n in zip(rows.tolist(), lens)]).long()
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    positions = kv_lens.long() - 1
+    return [qkv, q_heads, kv_heads, k_cache, v_cache, req_to_token.to(device), rows.to(device), kv_lens.to(device),
+            positions.to(device), out_slots.to(device), _cos_sin_cache(width + 8, head_dim, device), width,
+            head_dim**-0.5]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,lens,sms", SHAPES)
+def test_rope_decode_attention_matches_rope_store_then_attention(device, assert_close, q_heads, kv_heads, head_dim,
+                                                                 lens, sms):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16  # (the interpreter has no bf16 arithmetic)
+    args = _case(q_heads, kv_heads, head_dim, lens, dtype, device)
+    ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    qkv_before = args[0].clone()
+    for _ in range(2):  # twice: the split counters are back to 0 after a launch
+        out = rope_decode_attention_triton(*args, num_programs_hint=sms)
+    want = rope_decode_attention_ref(*ref_args)
+    assert_close(out, want, scale=2)
+    k_cache, v_cache, ref_k, ref_v, out_slots = args[3], args[4], ref_args[3], ref_args[4], args[9]
+    written = torch.zeros(k_cache.shape[0], dtype=torch.bool, device=k_cache.device)
+    written[out_slots] = True
+    assert torch.equal(k_cache[~written], ref_k[~written]) and torch.equal(v_cache, ref_v)
+    assert_close(k_cache[written], ref_k[written])
+    assert torch.equal(args[0], qkv_before)  # q, k, v are read, not rotated in place
+    assert int(_counters(out.device).abs().sum()) == 0
