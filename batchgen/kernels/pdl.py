@@ -6,7 +6,9 @@ step of one sequence, ~140 small kernels run back to back and each such gap is a
 (benchmarks/KERNELS.md). The rules that keep it correct, for every kernel that takes PDL:
 
 - before `wait_for_prior_kernels(PDL)` (griddepcontrol.wait: the kernel before it has finished
-  and its writes are visible) a kernel reads constant data only (weights), and writes nothing;
+  and its writes are visible) a kernel reads only data that the kernel before it does not write
+  (weights; kernels/rope_decode_attention.py also the step's index arrays and the cached K/V of
+  earlier steps: every kernel before that one has finished, by the next rule), and writes nothing;
 - right after the wait it lets the next kernel start (griddepcontrol.launch_dependents), so at most
   the next kernel waits beside it, never a cascade of them.
 
