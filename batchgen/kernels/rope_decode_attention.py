@@ -40,9 +40,18 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
-def _kv_halves(cache_ptr, offs, mask, HALF: tl.constexpr):
-    return (tl.load(cache_ptr + offs, mask=mask[:, None], other=0.0),
-            tl.load(cache_ptr + offs + HALF, mask=mask[:, None], other=0.0))
+def _cached_keys(k_cache_ptr, v_cache_ptr, token_row, t0, end, last, cache_stride_s, head_offs,
+                 HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Positions t = t0 + [0, BLOCK_N) and the halves of their cached K and V (zeros at t >= end and at
+    the new position `last`, which is not in the cache yet)."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    cached = (t < end) & (t < last)
+    slots = tl.load(token_row + t, mask=cached, other=0).to(tl.int64)
+    offs = slots[:, None] * cache_stride_s + head_offs + tl.arange(0, HALF)[None, :]
+    mask = cached[:, None]
+    return (t,
+            tl.load(k_cache_ptr + offs, mask=mask, other=0.0), tl.load(k_cache_ptr + offs + HALF, mask=mask, other=0.0),
+            tl.load(v_cache_ptr + offs, mask=mask, other=0.0), tl.load(v_cache_ptr + offs + HALF, mask=mask, other=0.0))
 
 
 @triton.jit
@@ -88,12 +97,8 @@ def _rope_decode_attention_kernel(
     end = tl.minimum(start + span, kv_len)
     token_row = req_to_token_ptr + tl.load(rows_ptr + seq).to(tl.int64) * req_to_token_stride
     head_offs = g.to(tl.int64) * cache_stride_h
-    t = start + tl.arange(0, BLOCK_N)
-    cached = (t < end) & (t < last)
-    slots = tl.load(token_row + t, mask=cached, other=0).to(tl.int64)
-    offs = slots[:, None] * cache_stride_s + head_offs + d[None, :]
-    k1, k2 = _kv_halves(k_cache_ptr, offs, cached, HALF)
-    v1, v2 = _kv_halves(v_cache_ptr, offs, cached, HALF)
+    t, k1, k2, v1, v2 = _cached_keys(k_cache_ptr, v_cache_ptr, token_row, start, end, last, cache_stride_s,
+                                     head_offs, HALF, BLOCK_N)
     pos = tl.load(positions_ptr + seq).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * 2 * HALF + d)
     sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + d)
@@ -123,12 +128,8 @@ def _rope_decode_attention_kernel(
     acc2 = tl.zeros((BLOCK_G, HALF), dtype=tl.float32)
     for t0 in range(start, end, BLOCK_N):
         if t0 != start:
-            t = t0 + tl.arange(0, BLOCK_N)
-            cached = (t < end) & (t < last)
-            slots = tl.load(token_row + t, mask=cached, other=0).to(tl.int64)
-            offs = slots[:, None] * cache_stride_s + head_offs + d[None, :]
-            k1, k2 = _kv_halves(k_cache_ptr, offs, cached, HALF)
-            v1, v2 = _kv_halves(v_cache_ptr, offs, cached, HALF)
+            t, k1, k2, v1, v2 = _cached_keys(k_cache_ptr, v_cache_ptr, token_row, t0, end, last, cache_stride_s,
+                                             head_offs, HALF, BLOCK_N)
         is_new = (t == last)[:, None]
         kt1 = tl.where(is_new, new_k1[None, :], k1)
         kt2 = tl.where(is_new, new_k2[None, :], k2)
@@ -197,7 +198,8 @@ def rope_decode_attention_triton(
     group = num_q_heads // num_kv_heads
     assert qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
     assert head_dim % 32 == 0 and head_dim & (head_dim - 1) == 0 and num_q_heads == group * num_kv_heads
-    assert k_cache.dtype == v_cache.dtype == qkv.dtype and k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
+    assert k_cache.dtype == v_cache.dtype == qkv.dtype
+    assert k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous() and cos_sin_cache.shape[1] == head_dim
     assert num_seqs * num_kv_heads <= MAX_COUNTERS
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
