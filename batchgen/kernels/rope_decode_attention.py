@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.decode_attention import decode_attention_ref
+from batchgen.kernels.decode_attention import decode_attention_ref, num_sms
 from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rope_store_kv import rope_store_kv_ref
 
@@ -62,7 +62,8 @@ def _rotate(x1, x2, cos, sin, dtype):
     return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
 
 
-@triton.jit(do_not_specialize=["qk_scale"])
+# num_splits follows max_kv_len in eager steps: not specialized (one compile for every length)
+@triton.jit(do_not_specialize=["qk_scale", "num_splits"])
 def _rope_decode_attention_kernel(
     qkv_ptr,  # [B, (Hq + 2 Hk) D] the qkv product: q, k, v before rope
     qkv_stride,  # elements between two sequences of qkv
@@ -81,7 +82,7 @@ def _rope_decode_attention_kernel(
     MERGE_G: tl.constexpr,  # next power of 2 >= G
     HALF: tl.constexpr,  # D / 2 (a power of 2, at least 16)
     BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr,  # next power of 2 >= C
+    BLOCK_C: tl.constexpr,  # next power of 2 >= MAX_SPLITS, whatever C (one compile)
     PDL: tl.constexpr,
 ):
     g = tl.program_id(0)
@@ -175,8 +176,11 @@ def _rope_decode_attention_kernel(
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    """The device's split counters, allocated once (outside any CUDA graph: at warm-up)."""
+    """The device's split counters, allocated once (outside any CUDA graph: at warm-up). Launches on one
+    stream only: kernels on two streams of a device at once would share them."""
     if device not in _COUNTERS:
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
+            "allocate the split counters before capturing a graph (a captured zero-fill never runs)"
         _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
     return _COUNTERS[device]
 
@@ -198,6 +202,7 @@ def rope_decode_attention_triton(
     group = num_q_heads // num_kv_heads
     assert qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
     assert head_dim % 32 == 0 and head_dim & (head_dim - 1) == 0 and num_q_heads == group * num_kv_heads
+    assert qkv.dtype in (torch.float16, torch.bfloat16), "16-bit only: the dots run in their default precision"
     assert k_cache.dtype == v_cache.dtype == qkv.dtype
     assert k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous() and cos_sin_cache.shape[1] == head_dim
@@ -214,7 +219,7 @@ def rope_decode_attention_triton(
         req_to_token.stride(0), rows, kv_lens, positions, out_slots, cos_sin_cache, part_o, part_lse,
         _counters(qkv.device), out, num_q_heads, num_kv_heads, splits, scale * math.log2(math.e),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), MERGE_G=triton.next_power_of_2(group),
-        HALF=head_dim // 2, BLOCK_N=BLOCK_N, BLOCK_C=triton.next_power_of_2(splits), num_warps=4,
+        HALF=head_dim // 2, BLOCK_N=BLOCK_N, BLOCK_C=triton.next_power_of_2(MAX_SPLITS), num_warps=4,
         **pdl_launch_args(qkv.device),
     )
     return out
@@ -233,3 +238,17 @@ def rope_decode_attention_ref(
     v = v.reshape(-1, num_kv_heads, head_dim)
     rope_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_slots)
     return decode_attention_ref(q, k_cache, v_cache, req_to_token, rows, kv_lens, max_kv_len, scale)
+
+
+def rope_decode_attention(
+    qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, positions: torch.Tensor,
+    out_slots: torch.Tensor, cos_sin_cache: torch.Tensor, max_kv_len: int, scale: float,
+) -> torch.Tensor:
+    """qkv [B, (Hq + 2 Hk) D] before rope -> attention output [B, Hq, D]; stores the rotated k and v."""
+    if qkv.is_cuda:
+        return rope_decode_attention_triton(qkv, num_q_heads, num_kv_heads, k_cache, v_cache, req_to_token, rows,
+                                            kv_lens, positions, out_slots, cos_sin_cache, max_kv_len, scale,
+                                            num_sms(qkv.device))
+    return rope_decode_attention_ref(qkv, num_q_heads, num_kv_heads, k_cache, v_cache, req_to_token, rows, kv_lens,
+                                     positions, out_slots, cos_sin_cache, max_kv_len, scale)

@@ -4,6 +4,7 @@ when the batch says so (step graphs), otherwise decode attention for the decode 
 prefill (extend) attention for the chunks."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -11,10 +12,10 @@ from torch import nn
 
 from batchgen.forward.batch import ForwardBatch
 from batchgen.kernels import decode_attention, prefill_attention, rope_store_kv, unified_attention
-from batchgen.kernels.decode_attention import num_sms
-from batchgen.kernels.rope_decode_attention import rope_decode_attention_triton
+from batchgen.kernels.rope_decode_attention import rope_decode_attention
 
 
+@functools.cache
 def one_row_attention_enabled() -> bool:
     return os.environ.get("BATCHGEN_ONE_ROW_ATTENTION", "1") != "0"
 
@@ -30,16 +31,17 @@ class Attention(nn.Module):
                        batch: ForwardBatch) -> torch.Tensor | None:
         """A decode step of one sequence on a GPU: rope, the KV store and attention in one launch
         (kernels/rope_decode_attention.py) from the qkv product [1, (Hq + 2 Hk) D] -> [1, Hq, D].
-        None where that does not apply (the caller takes forward)."""
-        d = self.head_dim
+        None where that does not apply (the caller takes forward): other steps, fp32 (its dots would
+        not be exact), an fp8 pool, and head_dim other than 32 or 64 (measured at 64; larger heads
+        would hold more of the merge in registers)."""
         if not (qkv.is_cuda and qkv.shape[0] == 1 and batch.num_decode == 1 and batch.num_prefill == 0
-                and not batch.unified and self.k_cache.dtype == qkv.dtype and d % 32 == 0 and d & (d - 1) == 0
-                and one_row_attention_enabled()):
+                and not batch.unified and qkv.dtype in (torch.float16, torch.bfloat16)
+                and self.k_cache.dtype == qkv.dtype and self.head_dim in (32, 64) and one_row_attention_enabled()):
             return None
-        return rope_decode_attention_triton(
+        return rope_decode_attention(
             qkv, self.num_heads, self.num_kv_heads, self.k_cache, self.v_cache, batch.req_to_token,
             batch.decode_rows, batch.decode_kv_lens, positions, batch.out_slots, cos_sin_cache,
-            batch.decode_max_kv_len, self.scale, num_sms(qkv.device),
+            batch.decode_max_kv_len, self.scale,
         )
 
     def forward(
