@@ -36,7 +36,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 from batchgen.kernels.decode_attention import (
     _decode_attention_launch,
     num_sms,
-    _pick_num_splits,
+    pick_num_splits,
     decode_attention_ref,
     decode_attention_triton,
 )
@@ -240,7 +240,7 @@ def bench_decode(model, cfg, copy_bw, sweep, budget_s):
             for per_sm, block_n, warps, stages in DECODE_VARIANTS:
                 if time.time() - START > budget_s:
                     break
-                splits = _pick_num_splits(batch, cfg["kv_heads"], kv_len, block_n, num_sms(q.device) * per_sm // 2)
+                splits = pick_num_splits(batch, cfg["kv_heads"], kv_len, block_n, num_sms(q.device) * per_sm // 2)
                 variant = f"per_sm={per_sm} C={splits} N={block_n} w={warps} s={stages}"
                 fn = lambda: _decode_attention_launch(*args, splits, block_n, warps, stages)  # noqa: E731
                 if check_variant("decode_attention", model, shape, variant, fn, expected):

@@ -178,7 +178,7 @@ TILE_HEAD_DIM_128 = (64, 4, 3)
 TILE_SMALL = (32, 4, 1)
 
 
-def _pick_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, sms: int) -> int:
+def pick_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, sms: int) -> int:
     """Fewest splits that give about 2 programs per SM, and no more than max_kv_len has blocks."""
     splits = min(triton.cdiv(2 * sms, num_seqs * num_kv_heads), triton.cdiv(max_kv_len, block_n))
     return max(splits, 1)
@@ -254,7 +254,7 @@ def decode_attention_triton(
     else:
         block_n, num_warps, num_stages = TILE_HEAD_DIM_64 if head_dim <= 64 else TILE_HEAD_DIM_128
     sms = num_sms(q.device) if q.is_cuda else 4
-    num_splits = _pick_num_splits(q.shape[0], k_cache.shape[1], max_kv_len, block_n, sms)
+    num_splits = pick_num_splits(q.shape[0], k_cache.shape[1], max_kv_len, block_n, sms)
     return _decode_attention_launch(
         q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale,
         num_splits, block_n, num_warps, num_stages,

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.decode_attention import decode_attention_ref, num_sms
+from batchgen.kernels.decode_attention import decode_attention_ref, num_sms, pick_num_splits
 from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rope_store_kv import rope_store_kv_ref
 
@@ -185,18 +185,13 @@ def _counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def num_splits_for(num_seqs: int, num_kv_heads: int, max_kv_len: int, sms: int) -> int:
-    """About two programs an SM, and no more splits than max_kv_len has blocks."""
-    return max(1, min(triton.cdiv(2 * sms, num_seqs * num_kv_heads), triton.cdiv(max_kv_len, BLOCK_N), MAX_SPLITS))
-
-
 def rope_decode_attention_triton(
     qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
     req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, positions: torch.Tensor,
-    out_slots: torch.Tensor, cos_sin_cache: torch.Tensor, max_kv_len: int, scale: float, num_programs_hint: int,
+    out_slots: torch.Tensor, cos_sin_cache: torch.Tensor, max_kv_len: int, scale: float, sms: int,
 ) -> torch.Tensor:
     """qkv [B, (Hq + 2 Hk) D] (before rope) -> attention output [B, Hq, D]; stores the rotated k and v
-    at out_slots. num_programs_hint: the GPU's SM count (4 on the CPU interpreter)."""
+    at out_slots. sms: the GPU's SM count (any small number on the CPU interpreter)."""
     num_seqs = qkv.shape[0]
     head_dim = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -210,7 +205,7 @@ def rope_decode_attention_triton(
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_seqs == 0:
         return out
-    splits = num_splits_for(num_seqs, num_kv_heads, max_kv_len, num_programs_hint)
+    splits = min(pick_num_splits(num_seqs, num_kv_heads, max_kv_len, BLOCK_N, sms), MAX_SPLITS)  # (the merge's BLOCK_C)
     f32 = dict(dtype=torch.float32, device=qkv.device)
     part_o = torch.empty((num_seqs, num_q_heads, splits, head_dim), **f32)
     part_lse = torch.empty((num_seqs, num_q_heads, splits), **f32)

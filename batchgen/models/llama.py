@@ -36,9 +36,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """qkv: [T, (Hq + 2 Hk) D], from qkv_proj (which the layer runs with its norm)."""
-        o = None
-        if self.q_norm is None:  # one decode row on a GPU: rope, KV store and attention in one launch
-            o = self.attn.decode_one_row(qkv, positions, self.rotary.cos_sin_cache, batch)
+        # one decode row on a GPU: rope, KV store and attention in one launch (None elsewhere, and for q/k norms)
+        o = None if self.q_norm is not None else self.attn.decode_one_row(qkv, positions, self.rotary.cos_sin_cache,
+                                                                         batch)
         if o is None:
             q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

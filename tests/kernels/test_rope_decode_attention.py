@@ -49,7 +49,7 @@ def test_rope_decode_attention_matches_rope_store_then_attention(device, assert_
     # the first launch finds the new positions' slots holding other values (it must not read them), the
     # second its own stores there; both give the reference's output, and leave the counters at 0
     for _ in range(2):
-        out = rope_decode_attention_triton(*args, num_programs_hint=sms)
+        out = rope_decode_attention_triton(*args, sms=sms)
         assert_close(out, want, scale=2)
     k_cache, v_cache, ref_k, ref_v, out_slots = args[3], args[4], ref_args[3], ref_args[4], args[9]
     written = torch.zeros(k_cache.shape[0], dtype=torch.bool, device=k_cache.device)
