@@ -8,18 +8,22 @@ Program (kv head g, split c, sequence i) does, for the G = Hq / Hk query heads o
   before the PDL wait   the split's keys [c S, (c + 1) S) (S = ceil(L / C) rounded up to BLOCK_N,
                         L = kv_lens[i]): their slots and the cached K/V of every key but the new
                         one (position L - 1), BLOCK_N keys of them (the rest after the wait);
-  after it              q and the new k rotated (NeoX halves, fp32, rounded to q's dtype as
-                        kernels/rotary.py rounds), k and v stored at out_slots[i] by the split that
-                        holds L - 1 (which uses them from registers), then stage 1 of
+  after it              q and the new k rotated in registers (NeoX halves, fp32, rounded to q's
+                        dtype as kernels/rotary.py rounds; q, k and v themselves are left as they
+                        are), k and v stored at out_slots[i] by the split that holds L - 1 (which
+                        uses them from registers), then stage 1 of
                         kernels/decode_attention.py: lse_c and o_c of the split;
   the last split of (i, g) to finish (a counter per (i, g), acq_rel) merges the C parts into the
   output, as that file's stage 2, and sets the counter back to 0.
 
+q [B, Hq, D], k and v [B, Hk, D] come with their own strides, like kernels/rope_store_kv.py's:
+usually strided views into the qkv product, for Qwen3 q_norm's and k_norm's outputs.
+
 What it reads before the wait (kernels/pdl.py): the step's index arrays (written by the step's first
 kernel) and K/V at positions before L - 1 (written by earlier steps). Every kernel before the one
-before this has finished when this one starts, and the one before (the qkv product) writes neither.
-q, k and v are its output: read after the wait. Split-local data crosses programs only through the
-merge, read past L1 (.cg).
+before this has finished when this one starts, and the one before (the qkv product, or Qwen3's k
+norm) writes neither. q, k and v are the output of that kernel or of one just before it: read after
+the wait. Split-local data crosses programs only through the merge, read past L1 (.cg).
 """
 from __future__ import annotations
 
@@ -65,8 +69,15 @@ def _rotate(x1, x2, cos, sin, dtype):
 # num_splits follows max_kv_len in eager steps: not specialized (one compile for every length)
 @triton.jit(do_not_specialize=["qk_scale", "num_splits"])
 def _rope_decode_attention_kernel(
-    qkv_ptr,  # [B, (Hq + 2 Hk) D] the qkv product: q, k, v before rope
-    qkv_stride,  # elements between two sequences of qkv
+    q_ptr,  # [B, Hq, D] before rope, read only
+    q_stride_b,  # elements between two sequences of q
+    q_stride_h,  # elements between two heads of q
+    k_ptr,  # [B, Hk, D] the new keys before rope, read only
+    k_stride_b,  # elements between two sequences of k
+    k_stride_h,  # elements between two heads of k
+    v_ptr,  # [B, Hk, D] the new values, read only
+    v_stride_b,  # elements between two sequences of v
+    v_stride_h,  # elements between two heads of v
     k_cache_ptr, v_cache_ptr,  # [num_slots, Hk, D]
     cache_stride_s, cache_stride_h,
     req_to_token_ptr, req_to_token_stride,
@@ -88,7 +99,7 @@ def _rope_decode_attention_kernel(
     g = tl.program_id(0)
     c = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
-    dtype = qkv_ptr.dtype.element_ty
+    dtype = q_ptr.dtype.element_ty
     d = tl.arange(0, HALF)
     # ---- before the wait: the step's indices and the cached keys (see the module's doc)
     kv_len = tl.load(kv_lens_ptr + seq)
@@ -108,11 +119,11 @@ def _rope_decode_attention_kernel(
     j = tl.arange(0, BLOCK_G)
     head_ok = j < GROUP
     heads = g * GROUP + j
-    q_ptrs = qkv_ptr + seq * qkv_stride + heads[:, None] * (2 * HALF) + d[None, :]
+    q_ptrs = q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + d[None, :]
     q1, q2 = _rotate(tl.load(q_ptrs, mask=head_ok[:, None], other=0.0),
                      tl.load(q_ptrs + HALF, mask=head_ok[:, None], other=0.0), cos[None, :], sin[None, :], dtype)
-    k_new_ptr = qkv_ptr + seq * qkv_stride + (num_q_heads + g) * (2 * HALF)
-    v_new_ptr = qkv_ptr + seq * qkv_stride + (num_q_heads + num_kv_heads + g) * (2 * HALF)
+    k_new_ptr = k_ptr + seq * k_stride_b + g * k_stride_h
+    v_new_ptr = v_ptr + seq * v_stride_b + g * v_stride_h
     new_k1, new_k2 = _rotate(tl.load(k_new_ptr + d), tl.load(k_new_ptr + HALF + d), cos, sin, dtype)
     new_v1 = tl.load(v_new_ptr + d)
     new_v2 = tl.load(v_new_ptr + HALF + d)
@@ -186,64 +197,63 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def rope_decode_attention_triton(
-    qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, positions: torch.Tensor,
     out_slots: torch.Tensor, cos_sin_cache: torch.Tensor, max_kv_len: int, scale: float, sms: int,
 ) -> torch.Tensor:
-    """qkv [B, (Hq + 2 Hk) D] (before rope) -> attention output [B, Hq, D]; stores the rotated k and v
-    at out_slots. sms: the GPU's SM count (any small number on the CPU interpreter)."""
-    num_seqs = qkv.shape[0]
-    head_dim = k_cache.shape[2]
+    """q [B, Hq, D], k/v [B, Hk, D] (before rope; read only) -> attention output [B, Hq, D]; stores the
+    rotated k and v at out_slots. sms: the GPU's SM count (any small number on the CPU interpreter)."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
     group = num_q_heads // num_kv_heads
-    assert qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
+    assert k.shape == v.shape == (num_seqs, num_kv_heads, head_dim) and k_cache.shape[1:] == (num_kv_heads, head_dim)
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "the head_dim axis must be contiguous"
     assert head_dim % 32 == 0 and head_dim & (head_dim - 1) == 0 and num_q_heads == group * num_kv_heads
-    assert qkv.dtype in (torch.float16, torch.bfloat16), "16-bit only: the dots run in their default precision"
-    assert k_cache.dtype == v_cache.dtype == qkv.dtype
+    assert q.dtype in (torch.float16, torch.bfloat16), "16-bit only: the dots run in their default precision"
+    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == q.dtype
     assert k_cache.stride(2) == 1 and v_cache.stride() == k_cache.stride()
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous() and cos_sin_cache.shape[1] == head_dim
     assert num_seqs * num_kv_heads <= MAX_COUNTERS
-    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
     splits = min(pick_num_splits(num_seqs, num_kv_heads, max_kv_len, BLOCK_N, sms), MAX_SPLITS)  # (the merge's BLOCK_C)
-    f32 = dict(dtype=torch.float32, device=qkv.device)
+    f32 = dict(dtype=torch.float32, device=q.device)
     part_o = torch.empty((num_seqs, num_q_heads, splits, head_dim), **f32)
     part_lse = torch.empty((num_seqs, num_q_heads, splits), **f32)
     _rope_decode_attention_kernel[(num_kv_heads, splits, num_seqs)](
-        qkv, qkv.stride(0), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), req_to_token,
+        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), req_to_token,
         req_to_token.stride(0), rows, kv_lens, positions, out_slots, cos_sin_cache, part_o, part_lse,
-        _counters(qkv.device), out, num_q_heads, num_kv_heads, splits, scale * math.log2(math.e),
+        _counters(q.device), out, num_q_heads, num_kv_heads, splits, scale * math.log2(math.e),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), MERGE_G=triton.next_power_of_2(group),
         HALF=head_dim // 2, BLOCK_N=BLOCK_N, BLOCK_C=triton.next_power_of_2(MAX_SPLITS), num_warps=4,
-        **pdl_launch_args(qkv.device),
+        **pdl_launch_args(q.device),
     )
     return out
 
 
 def rope_decode_attention_ref(
-    qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, positions: torch.Tensor,
     out_slots: torch.Tensor, cos_sin_cache: torch.Tensor, max_kv_len: int, scale: float,
 ) -> torch.Tensor:
-    """The ops it fuses: rope_store_kv, then decode attention."""
-    head_dim = k_cache.shape[2]
-    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q = q.reshape(-1, num_q_heads, head_dim).clone()
-    k = k.reshape(-1, num_kv_heads, head_dim).clone()
-    v = v.reshape(-1, num_kv_heads, head_dim)
+    """The ops it fuses: rope_store_kv, then decode attention (on copies of q and k: the inputs are
+    left as they are, as the kernel leaves them)."""
+    q, k = q.clone(), k.clone()
     rope_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_slots)
     return decode_attention_ref(q, k_cache, v_cache, req_to_token, rows, kv_lens, max_kv_len, scale)
 
 
 def rope_decode_attention(
-    qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, positions: torch.Tensor,
     out_slots: torch.Tensor, cos_sin_cache: torch.Tensor, max_kv_len: int, scale: float,
 ) -> torch.Tensor:
-    """qkv [B, (Hq + 2 Hk) D] before rope -> attention output [B, Hq, D]; stores the rotated k and v."""
-    if qkv.is_cuda:
-        return rope_decode_attention_triton(qkv, num_q_heads, num_kv_heads, k_cache, v_cache, req_to_token, rows,
-                                            kv_lens, positions, out_slots, cos_sin_cache, max_kv_len, scale,
-                                            num_sms(qkv.device))
-    return rope_decode_attention_ref(qkv, num_q_heads, num_kv_heads, k_cache, v_cache, req_to_token, rows, kv_lens,
-                                     positions, out_slots, cos_sin_cache, max_kv_len, scale)
+    """q [B, Hq, D], k/v [B, Hk, D] before rope (not modified) -> attention output [B, Hq, D]; stores the
+    rotated k and v at out_slots."""
+    if q.is_cuda:
+        return rope_decode_attention_triton(q, k, v, k_cache, v_cache, req_to_token, rows, kv_lens, positions,
+                                            out_slots, cos_sin_cache, max_kv_len, scale, num_sms(q.device))
+    return rope_decode_attention_ref(q, k, v, k_cache, v_cache, req_to_token, rows, kv_lens, positions, out_slots,
+                                     cos_sin_cache, max_kv_len, scale)

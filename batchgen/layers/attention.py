@@ -38,8 +38,11 @@ class Attention(nn.Module):
                 and not batch.unified and qkv.dtype in (torch.float16, torch.bfloat16)
                 and self.k_cache.dtype == qkv.dtype and self.head_dim in (32, 64) and one_row_attention_enabled()):
             return None
+        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                             self.num_kv_heads * self.head_dim], dim=-1)
         return rope_decode_attention(
-            qkv, self.num_heads, self.num_kv_heads, self.k_cache, self.v_cache, batch.req_to_token,
+            q.view(1, self.num_heads, self.head_dim), k.view(1, self.num_kv_heads, self.head_dim),
+            v.view(1, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, batch.req_to_token,
             batch.decode_rows, batch.decode_kv_lens, positions, batch.out_slots, cos_sin_cache,
             batch.decode_max_kv_len, self.scale,
         )

@@ -16,11 +16,30 @@ SHAPES = [(4, 2, 32, [300], 2), (2, 1, 64, [70], 132), (6, 2, 32, [5, 1, 131], 4
 ]
 
 
-def _case(q_heads, kv_heads, head_dim, lens, dtype, device, seed=0):
+def _new_qkv(layout, num_seqs, q_heads, kv_heads, head_dim, dtype, device, gen):
+    """q [B, Hq, D], k and v [B, Hk, D] before rope. "views": strided views into one qkv product, as
+    Llama's layer makes them; "separate": tensors of their own (as Qwen3's q/k norms give them), here
+    with awkward strides: q a slice of wider heads, k's heads further apart than its sequences (and
+    not at the buffer's start), v every third head of a buffer."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    if layout == "views":
+        qkv = randn(num_seqs, (q_heads + 2 * kv_heads) * head_dim)
+        q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return (q.view(num_seqs, q_heads, head_dim), k.view(num_seqs, kv_heads, head_dim),
+                v.view(num_seqs, kv_heads, head_dim))
+    q = randn(num_seqs + 1, q_heads, head_dim + 24)[1:, :, 8:8 + head_dim]
+    k = randn(kv_heads, num_seqs + 2, head_dim).transpose(0, 1)[1:-1]
+    v = randn(num_seqs, kv_heads, 3, head_dim)[:, :, 1]
+    return q, k, v
+
+
+def _case(layout, q_heads, kv_heads, head_dim, lens, dtype, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
     num_seqs, width = len(lens), max(lens) + 3
     num_slots = sum(lens) + 11
-    qkv = torch.randn(num_seqs, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+    q, k, v = _new_qkv(layout, num_seqs, q_heads, kv_heads, head_dim, dtype, device, gen)
     k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(device, dtype)
     v_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(device, dtype)
     req_to_token = torch.zeros(num_seqs + 2, width, dtype=torch.int32)
@@ -33,18 +52,19 @@ def _case(q_heads, kv_heads, head_dim, lens, dtype, device, seed=0):
     out_slots = torch.stack([req_to_token[r, n - 1] for r, n in zip(rows.tolist(), lens)]).long()
     kv_lens = torch.tensor(lens, dtype=torch.int32)
     positions = kv_lens.long() - 1
-    return [qkv, q_heads, kv_heads, k_cache, v_cache, req_to_token.to(device), rows.to(device), kv_lens.to(device),
+    return [q, k, v, k_cache, v_cache, req_to_token.to(device), rows.to(device), kv_lens.to(device),
             positions.to(device), out_slots.to(device), _cos_sin_cache(width + 8, head_dim, device), width,
             head_dim**-0.5]
 
 
+@pytest.mark.parametrize("layout", ["views", "separate"])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,lens,sms", SHAPES)
 def test_rope_decode_attention_matches_rope_store_then_attention(device, assert_close, q_heads, kv_heads, head_dim,
-                                                                 lens, sms):
+                                                                 lens, sms, layout):
     dtype = torch.bfloat16 if device == "cuda" else torch.float16  # (the interpreter has no bf16 arithmetic)
-    args = _case(q_heads, kv_heads, head_dim, lens, dtype, device)
+    args = _case(layout, q_heads, kv_heads, head_dim, lens, dtype, device)
     ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    qkv_before = args[0].clone()
+    inputs_before = [x.clone() for x in args[:3]]
     want = rope_decode_attention_ref(*ref_args)
     # the first launch finds the new positions' slots holding other values (it must not read them), the
     # second its own stores there; both give the reference's output, and leave the counters at 0
@@ -56,5 +76,6 @@ def test_rope_decode_attention_matches_rope_store_then_attention(device, assert_
     written[out_slots] = True
     assert torch.equal(k_cache[~written], ref_k[~written]) and torch.equal(v_cache, ref_v)
     assert_close(k_cache[written], ref_k[written])
-    assert torch.equal(args[0], qkv_before)  # q, k, v are read, not rotated in place
+    for x, before in zip(args[:3], inputs_before):  # q, k, v are read, not rotated in place
+        assert torch.equal(x, before)
     assert int(_counters(out.device).abs().sum()) == 0
