@@ -1,7 +1,9 @@
 """Attention over the token-slot KV pool: rope on q and k and the store of the new K/V (one fused op),
 then attention reading K/V through req_to_token: one unified launch for decodes and chunks together
 when the batch says so (step graphs), otherwise decode attention for the decode sequences and
-prefill (extend) attention for the chunks."""
+prefill (extend) attention for the chunks. A lone decode sequence on a GPU takes all of it in one
+launch instead (kernels/rope_decode_attention.py). The layer picks the path from the batch and the
+tensors; the model only hands it q, k and v before rope."""
 from __future__ import annotations
 
 import functools
@@ -27,32 +29,26 @@ class Attention(nn.Module):
         # [num_slots, num_kv_heads, head_dim] each; the runner assigns this layer's slice of the pool
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def decode_one_row(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                       batch: ForwardBatch) -> torch.Tensor | None:
-        """A decode step of one sequence on a GPU: rope, the KV store and attention in one launch
-        (kernels/rope_decode_attention.py) from the qkv product [1, (Hq + 2 Hk) D] -> [1, Hq, D].
-        None where that does not apply (the caller takes forward): other steps, fp32 (its dots would
-        not be exact), an fp8 pool, and head_dim other than 32 or 64 (measured at 64; larger heads
-        would hold more of the merge in registers)."""
-        if not (qkv.is_cuda and qkv.shape[0] == 1 and batch.num_decode == 1 and batch.num_prefill == 0
-                and not batch.unified and qkv.dtype in (torch.float16, torch.bfloat16)
-                and self.k_cache.dtype == qkv.dtype and self.head_dim in (32, 64) and one_row_attention_enabled()):
-            return None
-        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                             self.num_kv_heads * self.head_dim], dim=-1)
-        return rope_decode_attention(
-            q.view(1, self.num_heads, self.head_dim), k.view(1, self.num_kv_heads, self.head_dim),
-            v.view(1, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, batch.req_to_token,
-            batch.decode_rows, batch.decode_kv_lens, positions, batch.out_slots, cos_sin_cache,
-            batch.decode_max_kv_len, self.scale,
-        )
+    def _takes_one_launch(self, q: torch.Tensor, batch: ForwardBatch) -> bool:
+        """A decode step of one sequence on a GPU: rope, the KV store and attention in one launch. Not
+        for fp32 (its dots would not be exact), an fp8 pool, or head_dim other than 32 or 64 (measured
+        at 64; larger heads would hold more of the merge in registers)."""
+        return (q.is_cuda and q.shape[0] == 1 and batch.num_decode == 1 and batch.num_prefill == 0
+                and not batch.unified and q.dtype in (torch.float16, torch.bfloat16)
+                and self.k_cache.dtype == q.dtype and self.head_dim in (32, 64) and one_row_attention_enabled())
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
         cos_sin_cache: torch.Tensor, batch: ForwardBatch,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hk, D] before rope (q is rotated in place, k left unspecified);
-        positions [T]; cos_sin_cache [P, D] fp32 = [cos | sin] -> [T, Hq, D]"""
+        """q [T, Hq, D], k/v [T, Hk, D] before rope; positions [T]; cos_sin_cache [P, D] fp32 = [cos | sin]
+        -> [T, Hq, D]. Afterwards q and k hold unspecified values: the one launch leaves them as they
+        were, rope_store_kv rotates q in place (and, on the CPU, k)."""
+        if self._takes_one_launch(q, batch):
+            return rope_decode_attention(
+                q, k, v, self.k_cache, self.v_cache, batch.req_to_token, batch.decode_rows, batch.decode_kv_lens,
+                positions, batch.out_slots, cos_sin_cache, batch.decode_max_kv_len, self.scale,
+            )
         rope_store_kv(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache, batch.out_slots)
         if batch.unified:
             return unified_attention(

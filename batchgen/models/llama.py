@@ -36,19 +36,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """qkv: [T, (Hq + 2 Hk) D], from qkv_proj (which the layer runs with its norm)."""
-        # one decode row on a GPU: rope, KV store and attention in one launch (None elsewhere, and for q/k norms)
-        o = None if self.q_norm is not None else self.attn.decode_one_row(qkv, positions, self.rotary.cos_sin_cache,
-                                                                         batch)
-        if o is None:
-            q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(-1, self.num_heads, self.head_dim)  # strided views into qkv: no copies
-            k = k.view(-1, self.num_kv_heads, self.head_dim)
-            v = v.view(-1, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:  # Qwen3: RMSNorm over each head before rope
-                q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
-                k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
-            o = self.attn(q, k, v, positions, self.rotary.cos_sin_cache, batch)  # rope, store kv, attention
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # strided views into qkv: no copies
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before rope
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
+        o = self.attn(q, k, v, positions, self.rotary.cos_sin_cache, batch)  # rope, store kv, attention
         return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
 
 

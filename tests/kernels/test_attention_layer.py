@@ -1,5 +1,6 @@
 """The attention layer's two ways through a mixed step: decode + prefill launches, and the unified
-launch the step graphs use (padded sequences and tokens), from the same q/k/v before rope."""
+launch the step graphs use (padded sequences and tokens), from the same q/k/v before rope; and its
+two ways through a lone sequence's decode on a GPU: one launch, or rope_store_kv and decode attention."""
 from dataclasses import replace
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from tests.kernels.attention_batch import make_batch, q_bounds
 from batchgen.forward.batch import ForwardBatch
+from batchgen.layers import attention
 from batchgen.layers.attention import Attention
 
 HQ, HK, D = 4, 2, 16
@@ -14,8 +16,8 @@ DECODES = [(1, 9), (1, 30), (1, 1)]
 CHUNKS = [(7, 12), (19, 19), (2, 40)]
 
 
-def _cos_sin_cache(max_pos, device):
-    angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), torch.rand(D // 2) * 0.3)
+def _cos_sin_cache(max_pos, device, head_dim=D):
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), torch.rand(head_dim // 2) * 0.3)
     return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
 
 
@@ -82,3 +84,46 @@ def test_unified_step_equals_split_step(device, assert_close, dtype):
     actual = run(_unified_batch(split, b, 4, pad_tokens, dummy_slot), total + pad_tokens)
     assert_close(actual[0], expected[0])
     assert torch.equal(actual[1], expected[1]) and torch.equal(actual[2], expected[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["views", "separate"])  # of one qkv product (Llama), or of their own (Qwen3)
+def test_one_decode_row_in_one_launch_equals_three_kernels(monkeypatch, assert_close, layout):
+    dev, dtype, head_dim, kv_len = "cuda", torch.bfloat16, 64, 300  # (the layer's gate: a GPU, 16 bits, D 32 or 64)
+    b = make_batch([(1, kv_len)], HQ, HK, head_dim, dtype, dev, seed=5)
+    positions = torch.tensor([kv_len - 1], device=dev)
+    out_slots = b.req_to_token[b.req_rows.long(), positions].long()
+    none = torch.zeros(0, dtype=torch.int32, device=dev)
+    batch = ForwardBatch(
+        input_ids=torch.zeros_like(positions), positions=positions, out_slots=out_slots, token_rows=b.req_rows,
+        req_to_token=b.req_to_token, num_decode=1, decode_rows=b.req_rows, decode_kv_lens=b.kv_lens,
+        decode_max_kv_len=kv_len, prefill_rows=none, prefill_q_start=none, prefill_q_lens=none, prefill_kv_lens=none,
+        prefill_max_q_len=0, logits_indices=torch.zeros(1, dtype=torch.int64, device=dev),
+    )
+    cos_sin = _cos_sin_cache(kv_len + 8, dev, head_dim)
+    qkv = torch.randn(1, (HQ + 2 * HK) * head_dim, generator=torch.Generator().manual_seed(6)).to(dev, dtype)
+    one_launch_kernel, launches = attention.rope_decode_attention, []
+
+    def counted(*args):
+        launches.append(1)
+        return one_launch_kernel(*args)
+
+    monkeypatch.setattr(attention, "rope_decode_attention", counted)
+
+    def run(one_launch):
+        monkeypatch.setattr(attention, "one_row_attention_enabled", lambda: one_launch)
+        layer = Attention(HQ, HK, head_dim, head_dim**-0.5)
+        layer.k_cache, layer.v_cache = b.k_cache.clone(), b.v_cache.clone()
+        views = [x.view(1, -1, head_dim) for x in qkv.clone().split([HQ * head_dim, HK * head_dim, HK * head_dim], -1)]
+        q, k, v = views if layout == "views" else [x.clone() for x in views]
+        return layer(q, k, v, positions, cos_sin, batch), layer.k_cache, layer.v_cache
+
+    three = run(False)
+    assert not launches
+    one = run(True)
+    assert len(launches) == 1
+    assert_close(one[0], three[0], scale=2)
+    written = torch.zeros(b.k_cache.shape[0], dtype=torch.bool, device=dev)
+    written[out_slots] = True
+    assert torch.equal(one[1][~written], three[1][~written]) and torch.equal(one[2], three[2])
+    assert_close(one[1][written], three[1][written])
