@@ -14,9 +14,12 @@ blocks, then one program per row takes the first best part (a single row of a 12
 one program took 97 us on an H200, 256 rows in 256 programs 157 us). The reference builds the
 [S, V] noise with int64 torch ops.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 
@@ -31,6 +34,35 @@ def _hash32(x):
     x = ((x >> 16) ^ x) * 0x45D9F3B
     x = ((x >> 16) ^ x) * 0x45D9F3B
     return (x >> 16) ^ x
+
+
+_NEG_LN2 = tl.constexpr(-0.6931471805599453)  # (tensor * constexpr: a constexpr first is not a tensor op)
+
+
+@triton.jit
+def _log2_approx(x, APPROX: tl.constexpr):
+    """lg2.approx on a GPU; the exact log2 where libdevice is not there (the CPU interpreter)."""
+    if APPROX:
+        return libdevice.fast_log2f(x)
+    return tl.log2(x)
+
+
+@triton.jit
+def _gumbel_noise(bits, APPROX_LOG2: tl.constexpr):
+    """bits: 23 random bits (uint32) -> g = -ln(-ln u), u = (bits + 0.5) / 2^23, fp32.
+
+    u: the bits as the mantissa of 1 + bits / 2^23, minus 1 - 2^-24 (both exact; an int-to-float
+    conversion runs at a quarter of the FMA rate). The exact log2 (libdevice's log2f, ~20 instructions)
+    twice an element was half the kernel's time; lg2.approx (one instruction) is within 2^-22 of log2 on
+    [0.5, 2] and 2 ulp elsewhere. That is fine for the outer log and for -ln u where u <= 7/8, but as
+    u -> 1 the approximate -ln u loses all its digits, and that is where the largest noises, the winning
+    ones, come from. There w = 1 - u < 1/8 (exact, u >= 1/2) and -ln u = -ln(1 - w) = w + w^2/2 + ... +
+    w^8/8 (the rest is below 2^-24 of it). Error of g: < 3e-6 (the exact log2 twice: a few fp32 ulps)."""
+    u = (bits | 0x3F800000).to(tl.float32, bitcast=True) - 0.999999940395355224609375  # 1 - 2^-24
+    w = 1.0 - u
+    series = w * (1.0 + w * (0.5 + w * (1.0 / 3 + w * (0.25 + w * (0.2 + w * (1.0 / 6 + w * (1.0 / 7 + w * 0.125)))))))
+    neg_ln_u = tl.where(w < 0.125, series, _log2_approx(u, APPROX_LOG2) * _NEG_LN2)
+    return _log2_approx(neg_ln_u, APPROX_LOG2) * _NEG_LN2
 
 
 # The part count and size change with the number of rows: not specialized (a value divisible by 16,
@@ -49,6 +81,7 @@ def _gumbel_argmax_parts_kernel(
     num_parts,  # P
     token_offset,  # the token id of column 0 (a tensor-parallel rank's shard of the vocabulary)
     BLOCK: tl.constexpr,  # vocabulary entries per iteration
+    APPROX_LOG2: tl.constexpr,  # lg2.approx in _gumbel_noise (not under the CPU interpreter)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_prior_kernels(PDL)
@@ -62,6 +95,8 @@ def _gumbel_argmax_parts_kernel(
     key = _hash32(seed_lo ^ _hash32(seed_hi ^ _hash32((step & 0xFFFFFFFF).to(tl.uint32))))
     noisy = temperature > 0
     inv_t = 1.0 / tl.where(noisy, temperature, 1.0)
+    # token id + salt mod 2^32 in uint32 arithmetic, as the reference's (id + salt) & 0xFFFFFFFF
+    salted_offset = token_offset.to(tl.uint32) + 0x9E3779B9
     # a running best per lane, reduced once at the end (a block reduction per iteration cost ~3x)
     best_val = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     best_idx = tl.zeros([BLOCK], dtype=tl.int32)
@@ -70,11 +105,8 @@ def _gumbel_argmax_parts_kernel(
         idx = start + tl.arange(0, BLOCK)
         mask = idx < vocab
         x = tl.load(logits_ptr + row * logits_stride + idx, mask=mask, other=float("-inf"))
-        token_key = _hash32((idx.to(tl.int64) + token_offset + 0x9E3779B9).to(tl.uint32))
-        bits = _hash32(key ^ token_key) >> 9  # 23 bits: bits + 0.5 is exact in fp32, so u < 1
-        u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        gumbel = -0.6931471805599453 * tl.log2(-0.6931471805599453 * tl.log2(u))  # -ln(-ln u), fast log2
-        score = tl.where(noisy, x * inv_t + gumbel, x)
+        bits = _hash32(key ^ _hash32(idx.to(tl.uint32) + salted_offset)) >> 9  # 23 bits: u < 1
+        score = tl.where(noisy, x * inv_t + _gumbel_noise(bits, APPROX_LOG2), x)
         score = tl.where(mask, score, float("-inf"))
         better = score > best_val  # strict: a lane keeps its first maximum
         best_idx = tl.where(better, idx, best_idx)
@@ -83,8 +115,7 @@ def _gumbel_argmax_parts_kernel(
     # the smallest token id among the lanes at the maximum: the first maximum, as torch.argmax
     # (only -inf scores: token 0, as before the parts)
     best_idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), axis=0)
-    best_val = top
-    tl.store(part_max_ptr + row * num_parts + part, best_val)
+    tl.store(part_max_ptr + row * num_parts + part, top)
     tl.store(part_arg_ptr + row * num_parts + part, best_idx.to(tl.int64) + token_offset)
 
 
@@ -112,6 +143,8 @@ def _argmax_of_parts_kernel(
 BLOCK = 1024
 PROGRAMS = 1024  # enough programs to fill an H100/H200 (132 SMs) several times over
 MAX_PARTS = 128
+# lg2.approx is a GPU instruction; the CPU interpreter (tests) takes the exact log2
+APPROX_LOG2 = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def gumbel_argmax_triton(
@@ -154,7 +187,7 @@ def _launch(logits, temperatures, seeds, steps, parts, token_offset, want_best):
     pdl = pdl_launch_args(logits.device)
     _gumbel_argmax_parts_kernel[(rows, parts)](
         logits, logits.stride(0), temperatures, seeds, steps, part_max, part_arg,
-        vocab, part_size, parts, token_offset, BLOCK=BLOCK, num_warps=4, **pdl,
+        vocab, part_size, parts, token_offset, BLOCK=BLOCK, APPROX_LOG2=APPROX_LOG2, num_warps=4, **pdl,
     )
     _argmax_of_parts_kernel[(rows,)](part_max, part_arg, out, best if want_best else part_max, parts,
                                      PARTS=MAX_PARTS, WRITE_BEST=want_best, **pdl)
