@@ -38,18 +38,21 @@ def _hash32(x):
 
 
 _NEG_LN2 = tl.constexpr(-0.6931471805599453)  # (tensor * constexpr: a constexpr first is not a tensor op)
+_SALT = tl.constexpr(_TOKEN_SALT)
+# lg2.approx is a GPU instruction; the CPU interpreter (tests) has no libdevice and takes the exact log2
+_APPROX_LOG2 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
-def _log2_approx(x, APPROX: tl.constexpr):
-    """lg2.approx on a GPU; the exact log2 where libdevice is not there (the CPU interpreter)."""
-    if APPROX:
+def _log2_approx(x):
+    """lg2.approx on a GPU; the exact log2 under the CPU interpreter."""
+    if _APPROX_LOG2:
         return libdevice.fast_log2f(x)
     return tl.log2(x)
 
 
 @triton.jit
-def _gumbel_noise(bits, APPROX_LOG2: tl.constexpr):
+def _gumbel_noise(bits):
     """bits: 23 random bits (uint32) -> g = -ln(-ln u), u = (bits + 0.5) / 2^23, fp32.
 
     u: the bits as the mantissa of 1 + bits / 2^23, minus 1 - 2^-24 (both exact; an int-to-float
@@ -62,8 +65,8 @@ def _gumbel_noise(bits, APPROX_LOG2: tl.constexpr):
     u = (bits | 0x3F800000).to(tl.float32, bitcast=True) - 0.999999940395355224609375  # 1 - 2^-24
     w = 1.0 - u
     series = w * (1.0 + w * (0.5 + w * (1.0 / 3 + w * (0.25 + w * (0.2 + w * (1.0 / 6 + w * (1.0 / 7 + w * 0.125)))))))
-    neg_ln_u = tl.where(w < 0.125, series, _log2_approx(u, APPROX_LOG2) * _NEG_LN2)
-    return _log2_approx(neg_ln_u, APPROX_LOG2) * _NEG_LN2
+    neg_ln_u = tl.where(w < 0.125, series, _log2_approx(u) * _NEG_LN2)
+    return _log2_approx(neg_ln_u) * _NEG_LN2
 
 
 # The part count and size change with the number of rows: not specialized (a value divisible by 16,
@@ -82,7 +85,6 @@ def _gumbel_argmax_parts_kernel(
     num_parts,  # P
     token_offset,  # the token id of column 0 (a tensor-parallel rank's shard of the vocabulary)
     BLOCK: tl.constexpr,  # vocabulary entries per iteration
-    APPROX_LOG2: tl.constexpr,  # lg2.approx in _gumbel_noise (not under the CPU interpreter)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_prior_kernels(PDL)
@@ -97,7 +99,7 @@ def _gumbel_argmax_parts_kernel(
     noisy = temperature > 0
     inv_t = 1.0 / tl.where(noisy, temperature, 1.0)
     # token id + salt mod 2^32 in uint32 arithmetic, as the reference's (id + salt) & 0xFFFFFFFF
-    salted_offset = token_offset.to(tl.uint32) + 0x9E3779B9
+    salted_offset = token_offset.to(tl.uint32) + _SALT
     # a running best per lane, reduced once at the end (a block reduction per iteration cost ~3x)
     best_val = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     best_idx = tl.zeros([BLOCK], dtype=tl.int32)
@@ -107,7 +109,7 @@ def _gumbel_argmax_parts_kernel(
         mask = idx < vocab
         x = tl.load(logits_ptr + row * logits_stride + idx, mask=mask, other=float("-inf"))
         bits = _hash32(key ^ _hash32(idx.to(tl.uint32) + salted_offset)) >> 9  # 23 bits: u < 1
-        score = tl.where(noisy, x * inv_t + _gumbel_noise(bits, APPROX_LOG2), x)
+        score = tl.where(noisy, x * inv_t + _gumbel_noise(bits), x)
         score = tl.where(mask, score, float("-inf"))
         better = score > best_val  # strict: a lane keeps its first maximum
         best_idx = tl.where(better, idx, best_idx)
@@ -144,8 +146,6 @@ def _argmax_of_parts_kernel(
 BLOCK = 1024
 PROGRAMS = 1024  # enough programs to fill an H100/H200 (132 SMs) several times over
 MAX_PARTS = 128
-# lg2.approx is a GPU instruction; the CPU interpreter (tests) takes the exact log2
-APPROX_LOG2 = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def gumbel_argmax_triton(
@@ -188,7 +188,7 @@ def _launch(logits, temperatures, seeds, steps, parts, token_offset, want_best):
     pdl = pdl_launch_args(logits.device)
     _gumbel_argmax_parts_kernel[(rows, parts)](
         logits, logits.stride(0), temperatures, seeds, steps, part_max, part_arg,
-        vocab, part_size, parts, token_offset, BLOCK=BLOCK, APPROX_LOG2=APPROX_LOG2, num_warps=4, **pdl,
+        vocab, part_size, parts, token_offset, BLOCK=BLOCK, num_warps=4, **pdl,
     )
     _argmax_of_parts_kernel[(rows,)](part_max, part_arg, out, best if want_best else part_max, parts,
                                      PARTS=MAX_PARTS, WRITE_BEST=want_best, **pdl)
