@@ -46,6 +46,17 @@ class TensorParallel:
         save the symmetric path's copy (forward/symmetric_all_reduce.py); None: anywhere."""
         return self.symmetric.staging(rows, cols, dtype) if self.symmetric is not None else None
 
+    def defers_sum(self, partials: torch.Tensor) -> bool:
+        """A row-parallel product's partial sums may go unsummed to the add + RMSNorm after it, which
+        sums them in its own kernel (all_reduce_add_rmsnorm): they lie in the symmetric buffer."""
+        return self.symmetric is not None and self.symmetric.holds(partials)
+
+    def all_reduce_add_rmsnorm(self, partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(sum + residual), sum + residual) of partials that defers_sum() took; the residual
+        is right on this rank's share of the rows only (forward/symmetric_all_reduce.py)."""
+        return self.symmetric.all_reduce_add_rmsnorm(partials, residual, weight, eps)
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x on each rank -> [size, *x.shape], rank-major."""
         if self.size == 1:
@@ -147,5 +158,6 @@ def connect(store_path: str, rank: int, size: int, device: torch.device) -> Tens
         group._set_sequence_number_for_group()
     tp = TensorParallel(rank, size, group, device)
     if device.type == "cuda" and tp.min_over_ranks(int(supported_here(rank, size, device))):
-        tp = dataclasses.replace(tp, symmetric=open_symmetric(store, rank, size, device, group, store_path))
+        max_programs = tp.min_over_ranks(torch.cuda.get_device_properties(device).multi_processor_count)
+        tp = dataclasses.replace(tp, symmetric=open_symmetric(store, rank, size, device, group, store_path, max_programs))
     return tp

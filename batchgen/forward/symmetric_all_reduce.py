@@ -1,4 +1,4 @@
-"""Small all-reduces through symmetric memory, for GPUs that reach each other's memory (NVLink, P2P).
+"""All-reduces through symmetric memory, for GPUs that reach each other's memory (NVLink, P2P).
 
 A decode step all-reduces [rows, hidden] twice a layer. On two H200s (NVLink, inside CUDA graphs)
 NCCL's ring took 16 us for one row of 4096 bf16 and 37 us for 256 rows; torch's two-shot kernel
@@ -10,7 +10,12 @@ into every rank's buffer, in place (torch's out-of-place variant took 15.0 us ag
 straight into that buffer where they can (TensorParallel.reduce_buffer), which saves the copy. It meets the peers through signal flags in that memory, so it stays in
 order with the step's other kernels and CUDA graphs capture it like any kernel.
 
-Larger tensors (prefill chunks) stay with NCCL, and so do other dtypes and GPUs without peer
+After a row-parallel product the layer's add + RMSNorm follows the sum: where the product wrote
+into the buffer, `all_reduce_add_rmsnorm` does both in one kernel (kernels/all_reduce_rmsnorm.py)
+over the same allocation, which also holds that kernel's output rows and its flags.
+BATCHGEN_ALL_REDUCE_NORM=0 keeps them apart (the two-shot kernel, then the norm's own).
+
+Larger tensors (prefill chunks over 64 MiB) stay with NCCL, and so do other dtypes and GPUs without peer
 access. BATCHGEN_SYMM_ALL_REDUCE=0 turns it off.
 
 NCCL's abort cannot reach this kernel. A rank killed in the middle of a job still gives the engine's
@@ -25,6 +30,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from batchgen.kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm_triton
+from batchgen.kernels.rmsnorm import add_rmsnorm
+
 log = logging.getLogger(__name__)
 
 # torch's rendezvous (2.11 at least) numbers the store exchanges it makes with a counter per process:
@@ -33,16 +41,41 @@ log = logging.getLogger(__name__)
 # tensor-parallel engine of a process uses symmetric memory; later ones use NCCL.
 _opened_in_this_process = False
 
-MAX_BYTES = 2 << 20  # 2 MiB: the largest message measured (256 x 4096 bf16); NCCL above it
+# 64 MiB: a prefill step of 8,192 tokens of hidden 4096 (two-shot 214 us against NCCL's 247 on 2xH200,
+# benchmarks/KERNELS.md session 14); NCCL above it. Twice this a rank (sums and normed rows).
+MAX_BYTES = 64 << 20
 DTYPE = torch.bfloat16  # the dtype it was measured in
 ELEMENT_MULTIPLE = 64  # numel a multiple of this: every rank's slice stays 16-byte aligned
+FUSE_NORM = os.environ.get("BATCHGEN_ALL_REDUCE_NORM", "1") != "0"
 
 
 class SymmetricAllReduce:
-    def __init__(self, group_name: str, buffer: torch.Tensor):
+    def __init__(self, group_name: str, allocation: torch.Tensor, bases: torch.Tensor, rank: int, max_programs: int):
+        """allocation: this rank's [2 MAX_BYTES / 2 + flags] bf16 of symmetric memory: the sums' buffer,
+        the fused norm's output rows, its int32 flags (zeroed); bases: [W] int64, every rank's address of it."""
         self.group_name = group_name
-        self.buffer = buffer  # [MAX_BYTES / 2] bf16, mapped by every rank
+        elements = MAX_BYTES // DTYPE.itemsize
+        self.buffer = allocation[:elements]  # mapped by every rank: partial sums in, sums out
+        self.normed = allocation[elements: 2 * elements]  # all_reduce_add_rmsnorm's output
+        self.bases, self.rank, self.max_programs = bases, rank, max_programs
         self._reduce_in_place = torch.ops.symm_mem.two_shot_all_reduce_
+
+    def holds(self, x: torch.Tensor) -> bool:
+        """x is staging()'s view: a product wrote its partial sums there (so all_reduce_add_rmsnorm can take them)."""
+        return FUSE_NORM and x.data_ptr() == self.buffer.data_ptr()
+
+    def all_reduce_add_rmsnorm(self, partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """partials (held here) summed over ranks, + residual, RMSNorm: -> (normed, new residual). The
+        normed rows are this object's output buffer (valid until the next call: the product after the
+        norm reads them first); the residual is updated in place and right on this rank's rows only
+        (kernels/all_reduce_rmsnorm.py): only the next such call reads it, on the same rows."""
+        if weight.dtype != DTYPE or residual.dtype != DTYPE or residual.shape != partials.shape:
+            return add_rmsnorm(self(partials), residual, weight, eps)
+        element = DTYPE.itemsize
+        all_reduce_add_rmsnorm_triton(self.bases, self.rank, residual, weight, eps, self.buffer.numel() * element,
+                                      2 * self.buffer.numel() * element, self.max_programs)
+        return self.normed[: partials.numel()].view(partials.shape), residual
 
     def fits(self, x: torch.Tensor) -> bool:
         """The same answer on every rank: ranks all-reduce tensors of the same shape and dtype."""
@@ -108,8 +141,10 @@ def supported_here(rank: int, size: int, device: torch.device) -> bool:
     return all(torch.cuda.can_device_access_peer(rank, peer) for peer in range(size) if peer != rank)
 
 
-def open_symmetric(store, rank: int, size: int, device: torch.device, backend, store_path: str) -> SymmetricAllReduce:
-    """Collective: every rank calls it once supported_here() held on all of them.
+def open_symmetric(store, rank: int, size: int, device: torch.device, backend, store_path: str,
+                   max_programs: int) -> SymmetricAllReduce:
+    """Collective: every rank calls it once supported_here() held on all of them, with the same
+    max_programs (at most one program an SM on every rank: the fused norm's grid must be co-resident).
 
     torch's symmetric memory finds its ranks through a registered process group, so the engine's
     NCCL backend is wrapped in one, under a name made from the engine's own rendezvous path (two
@@ -124,6 +159,12 @@ def open_symmetric(store, rank: int, size: int, device: torch.device, backend, s
     group._register_backend(torch.device(device.type), dist.ProcessGroup.BackendType.NCCL, backend)
     group._set_group_name(name)
     torch._C._distributed_c10d._register_process_group(name, group)
-    buffer = symm_mem.empty(MAX_BYTES // DTYPE.itemsize, dtype=DTYPE, device=device)
-    symm_mem.rendezvous(buffer, name)
-    return SymmetricAllReduce(name, buffer)
+    elements = MAX_BYTES // DTYPE.itemsize
+    flag_elements = 2 * max_programs * size * 4 // DTYPE.itemsize  # int32 [2, max_programs, size]
+    allocation = symm_mem.empty(2 * elements + flag_elements, dtype=DTYPE, device=device)
+    allocation[2 * elements:].zero_()
+    torch.cuda.synchronize(device)  # (zero before any peer can signal: after the rendezvous)
+    handle = symm_mem.rendezvous(allocation, name)
+    shift = allocation.data_ptr() - handle.buffer_ptrs[rank]  # (the tensor may start inside its block)
+    bases = torch.tensor([p + shift for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
+    return SymmetricAllReduce(name, allocation, bases, rank, max_programs)

@@ -3,6 +3,7 @@ from torch import nn
 
 from batchgen.kernels import add_rmsnorm, rmsnorm
 from batchgen.kernels.skinny_gemm import normed_skinny_gemm
+from batchgen.layers.linear import PartialSums
 from batchgen.layers.packed_linear import PackableWeight
 
 
@@ -22,11 +23,15 @@ class RMSNorm(nn.Module):
 
 
 def normed_product(
-    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: PackableWeight
+    norm: RMSNorm, x: torch.Tensor | PartialSums, residual: torch.Tensor | None, linear: PackableWeight
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual), or without a residual (linear(norm(x)), x). One
     launch where the product streams its weight (one row on a GPU: the skinny kernel applies the norm
-    as it reads x); the norm's kernel, then the product, elsewhere."""
+    as it reads x); the norm's kernel, then the product, elsewhere. x may be a row-parallel product's
+    PartialSums: one kernel sums them over the ranks, adds and normalises, then the product."""
+    if isinstance(x, PartialSums):
+        normed, residual = x.add_rmsnorm(residual, norm.weight, norm.eps)
+        return linear(normed), residual
     if linear.streams(x):  # (the loader gives every weight the model's dtype: the kernel asserts it)
         return normed_skinny_gemm(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
     if residual is None:

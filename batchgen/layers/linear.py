@@ -6,6 +6,8 @@ RowParallelLinear:    weight [out, in / tp]   (each rank a partial sum; all-redu
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -98,11 +100,26 @@ class RowParallelLinear(PackableWeight, nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         _copy(param, loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """silu_mul: x is a gate/up pair, the product takes silu(gate) * up (an MLP's down projection)."""
+    def forward(self, x: torch.Tensor, silu_mul: bool = False, norm_follows: bool = False) -> torch.Tensor | PartialSums:
+        """silu_mul: x is a gate/up pair, the product takes silu(gate) * up (an MLP's down projection).
+        norm_follows: the caller's add + RMSNorm takes the output next, so it may get PartialSums,
+        which that norm sums over the ranks in its own kernel (layers/layernorm.normed_product)."""
         # The sum may come back as the symmetric buffer itself (forward/symmetric_all_reduce.py): it is
         # valid until the next row-parallel product writes there, so it must be consumed before that
         # (as the add + RMSNorm after each of a layer's two products is); keep it past it only as a copy.
         out = self.tp.reduce_buffer(x.shape[0], self.weight.shape[0], x.dtype) if x.dim() == 2 else None
-        y = self.tp.all_reduce(self.matmul(x, silu_mul=silu_mul, out=out))
+        y = self.matmul(x, silu_mul=silu_mul, out=out)
+        if norm_follows and self.bias is None and self.tp.defers_sum(y):
+            return PartialSums(y, self.tp)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+@dataclass(frozen=True)
+class PartialSums:
+    """A row-parallel product's output on this rank before the sum over ranks (see RowParallelLinear)."""
+    partials: torch.Tensor
+    tp: TensorParallel
+
+    def add_rmsnorm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tp.all_reduce_add_rmsnorm(self.partials, residual, weight, eps)

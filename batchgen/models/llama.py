@@ -3,6 +3,9 @@ SmolLM2. A layer's dataflow:
 
   norm -> qkv -> [q/k norm] -> rope + store kv -> attention -> o-proj (+all-reduce) -> residual
        -> norm -> gate/up -> silu*mul -> down (+all-reduce) -> residual
+
+Under tensor parallelism on GPUs with symmetric memory each all-reduce is one kernel with the
+residual add and RMSNorm after it (the products hand on PartialSums).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from batchgen.forward.parallel import SINGLE, TensorParallel
 from batchgen.layers.attention import Attention
 from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from batchgen.layers.layernorm import RMSNorm, normed_product
-from batchgen.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from batchgen.layers.linear import MergedColumnParallelLinear, PartialSums, QKVParallelLinear, RowParallelLinear
 from batchgen.layers.packed_linear import PackableWeight
 from batchgen.layers.rotary import RotaryEmbedding
 from batchgen.models.model_config import ModelConfig
@@ -45,7 +48,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v, positions, self.rotary.cos_sin_cache, batch)  # rope, store kv, attention
-        return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
+        return self.o_proj(o.view(-1, self.num_heads * self.head_dim), norm_follows=True)
 
 
 class LlamaMLP(nn.Module):
@@ -71,7 +74,7 @@ class LlamaDecoderLayer(nn.Module):
         qkv, residual = normed_product(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
         hidden = self.self_attn(positions, qkv, batch)
         gate_up, residual = normed_product(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj)
-        return self.mlp.down_proj(gate_up, silu_mul=True), residual
+        return self.mlp.down_proj(gate_up, silu_mul=True, norm_follows=True), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -102,6 +105,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             hidden, residual = layer(batch.positions, hidden, residual, batch)
         idx = batch.logits_indices  # the final norm only where logits are needed
+        if isinstance(hidden, PartialSums):  # (summed over the ranks with the norm, on every row)
+            return hidden.add_rmsnorm(residual, self.norm.weight, self.norm.eps)[0][idx]
         hidden, _ = self.norm(hidden[idx], residual[idx])
         return hidden
 

@@ -2,7 +2,7 @@
 
 - It gives NCCL's sums bit for bit (two ranks: one rounding of a + b either way), run eagerly and
   replayed from a CUDA graph with new inputs, also from a tensor written into its buffer (summed there, in
-  place); tensors it does not take (over 2 MiB, fp32, a size
+  place); tensors it does not take (over 64 MiB, fp32, a size
   that would misalign a rank's slice) go to NCCL and give the same.
 - A rank killed in the middle of a job: rank 0 reports it, as with NCCL, and its process still ends
   (the symmetric kernel cannot be aborted; the test runs the engine in a child process).
@@ -25,8 +25,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 CASES = [
     (1, 4096, torch.bfloat16, True),
     (7, 2048, torch.bfloat16, True),
-    (256, 4096, torch.bfloat16, True),  # exactly 2 MiB
-    (257, 4096, torch.bfloat16, False),  # over the limit
+    (256, 4096, torch.bfloat16, True),
+    (8192, 4096, torch.bfloat16, True),  # exactly 64 MiB: a prefill step's
+    (8193, 4096, torch.bfloat16, False),  # over the limit
     (5, 96, torch.bfloat16, False),  # 480 elements: not a multiple of 64
     (16, 4096, torch.float32, False),
 ]
@@ -146,5 +147,5 @@ def test_a_second_engine_in_a_process_uses_nccl(tiny_model, tmp_path):
     done = subprocess.run([sys.executable, str(script), str(tiny_model("llama"))], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "PATHS ['symmetric memory up to 2 MiB of bf16, NCCL above', 'NCCL']" in done.stdout, done.stdout
+    assert "PATHS ['symmetric memory up to 64 MiB of bf16, NCCL above', 'NCCL']" in done.stdout, done.stdout
     assert "SAME True" in done.stdout

@@ -1,0 +1,90 @@
+"""On two GPUs: the all-reduce + residual add + RMSNorm kernel (kernels/all_reduce_rmsnorm.py) as the
+engine calls it (TensorParallel.all_reduce_add_rmsnorm on partial sums a product wrote into the
+symmetric buffer).
+
+- Every row of the normed output, on both ranks, is bit for bit what the separate path gives (NCCL's
+  sum, then kernels/rmsnorm.py's add + RMSNorm), and close to the torch reference; the residual is
+  the reference's on the rank's own rows.
+- Calls of different row counts back to back (the flags and buffers are reused: a stale flag would
+  hang or give wrong rows), and a CUDA graph replayed with new inputs.
+"""
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from batchgen.forward.parallel import connect
+from batchgen.kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm_ref
+from batchgen.kernels.rmsnorm import add_rmsnorm_triton
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+SHAPES = [(1, 4096), (3, 4096), (7, 2048), (130, 896), (256, 4096), (2, 64)]  # rows, hidden
+EPS = 1e-5
+
+
+def _inputs(tp, rows, hidden, gen):
+    """Each rank's own partial sums (written where a product writes them), and a residual and weight
+    that every rank shares."""
+    partial = torch.randn(rows, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
+    shared = torch.Generator(device="cuda").manual_seed(rows * 7919 + hidden)
+    residual = torch.randn(rows, hidden, generator=shared, device="cuda", dtype=torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=shared, device="cuda")).to(torch.bfloat16)
+    staged = tp.reduce_buffer(rows, hidden, torch.bfloat16)
+    staged.copy_(partial)
+    assert tp.defers_sum(staged)
+    return staged, partial, residual, weight
+
+
+def _check(tp, rank, partial, residual_before, residual, normed, weight):
+    parts = torch.empty(2, *partial.shape, dtype=partial.dtype, device="cuda")
+    tp.group.allgather([list(parts.unbind(0))], [partial]).wait()
+    summed = partial.clone()
+    tp.group.allreduce([summed]).wait()
+    expected, expected_residual = add_rmsnorm_triton(summed, residual_before, weight, EPS)
+    assert torch.equal(normed, expected), partial.shape
+    ref, ref_residual = all_reduce_add_rmsnorm_ref(list(parts), residual_before, weight, EPS)
+    torch.testing.assert_close(normed, ref, atol=2e-2, rtol=2e-2)
+    share = -(-partial.shape[0] // 2)
+    mine = slice(rank * share, (rank + 1) * share)
+    assert torch.equal(residual[mine], expected_residual[mine]) and torch.equal(residual[mine], ref_residual[mine])
+
+
+def _rank(rank, store_path):
+    torch.cuda.set_device(rank)
+    tp = connect(store_path, rank, 2, torch.device("cuda", rank))
+    assert tp.symmetric is not None, "GPUs with peer access should use symmetric memory"
+    gen = torch.Generator(device="cuda").manual_seed(1 + rank)
+    for rows, hidden in SHAPES + SHAPES[::-1]:  # back to back, the grid growing and shrinking
+        staged, partial, residual_before, weight = _inputs(tp, rows, hidden, gen)
+        residual = residual_before.clone()
+        normed, out_residual = tp.all_reduce_add_rmsnorm(staged, residual, weight, EPS)
+        assert out_residual is residual
+        _check(tp, rank, partial, residual_before, residual, normed, weight)
+
+    rows, hidden = 64, 4096  # captured once, replayed with new partial sums and residuals
+    staged, partial, residual_before, weight = _inputs(tp, rows, hidden, gen)
+    residual = residual_before.clone()
+    tp.all_reduce_add_rmsnorm(staged, residual.clone(), weight, EPS)  # (compiled off the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        normed, _ = tp.all_reduce_add_rmsnorm(staged, residual, weight, EPS)
+    for replay in range(3):
+        partial = torch.randn(rows, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
+        shared = torch.Generator(device="cuda").manual_seed(100 + replay)  # (the same residual on both ranks)
+        residual_before = torch.randn(rows, hidden, generator=shared, device="cuda", dtype=torch.bfloat16)
+        staged.copy_(partial)
+        residual.copy_(residual_before)
+        graph.replay()
+        _check(tp, rank, partial, residual_before, residual, normed, weight)
+    torch.cuda.synchronize()
+    graph.reset()
+    tp.close_symmetric()
+
+
+def test_all_reduce_add_rmsnorm_equals_separate_kernels():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank, args=(str(Path(tmp) / "store"),), nprocs=2)
