@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from batchgen.forward.symmetric_all_reduce import MAX_BYTES, open_symmetric, supported_here
+from batchgen.forward.symmetric_all_reduce import max_bytes, open_symmetric, supported_here
 
 TIMEOUT = timedelta(minutes=30)  # a collective that waits longer than this fails
 ABORT_WAIT_S = 10.0  # how long abort() blocks its caller (NCCL's own abort waits up to TIMEOUT)
@@ -49,7 +49,7 @@ class TensorParallel:
     def defers_sum(self, partials: torch.Tensor) -> bool:
         """A row-parallel product's partial sums may go unsummed to the add + RMSNorm after it, which
         sums them in its own kernel (all_reduce_add_rmsnorm): they lie in the symmetric buffer."""
-        return self.symmetric is not None and self.symmetric.holds(partials)
+        return self.symmetric is not None and self.symmetric.takes_partials(partials)
 
     def all_reduce_add_rmsnorm(self, partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +98,9 @@ class TensorParallel:
             return "none"
         if self.device.type != "cuda":
             return "gloo"
-        return f"symmetric memory up to {MAX_BYTES >> 20} MiB of bf16, NCCL above" if self.symmetric is not None else "NCCL"
+        if self.symmetric is None:
+            return "NCCL"
+        return f"symmetric memory up to {max_bytes(self.size) >> 20} MiB of bf16, NCCL above"
 
     def close_symmetric(self) -> None:
         """After the CUDA graphs that captured it are freed."""

@@ -16,7 +16,7 @@ over the same allocation, which also holds that kernel's output rows and its fla
 BATCHGEN_ALL_REDUCE_NORM=0 keeps them apart (the two-shot kernel, then the norm's own).
 
 Larger tensors (prefill chunks over 64 MiB) stay with NCCL, and so do other dtypes and GPUs without peer
-access. BATCHGEN_SYMM_ALL_REDUCE=0 turns it off.
+access. With more than two ranks (not measured yet) the limit is 2 MiB and the fused norm is off. BATCHGEN_SYMM_ALL_REDUCE=0 turns it off.
 
 NCCL's abort cannot reach this kernel. A rank killed in the middle of a job still gives the engine's
 one clear error and rank 0 closes and exits (tests/gpu/test_symmetric_all_reduce_gpu.py).
@@ -42,8 +42,11 @@ log = logging.getLogger(__name__)
 _opened_in_this_process = False
 
 # 64 MiB: a prefill step of 8,192 tokens of hidden 4096 (two-shot 214 us against NCCL's 247 on 2xH200,
-# benchmarks/KERNELS.md session 14); NCCL above it. Twice this a rank (sums and normed rows).
+# benchmarks/KERNELS.md session 14); NCCL above it. Twice this a rank (sums and normed rows). Measured
+# and tested on two GPUs only: more ranks keep the 2 MiB of decode steps and the norm's own kernel.
 MAX_BYTES = 64 << 20
+MAX_BYTES_MORE_RANKS = 2 << 20
+FUSED_NORM_RANKS = 2  # the world size the fused add + RMSNorm runs at
 DTYPE = torch.bfloat16  # the dtype it was measured in
 ELEMENT_MULTIPLE = 64  # numel a multiple of this: every rank's slice stays 16-byte aligned
 FUSE_NORM = os.environ.get("BATCHGEN_ALL_REDUCE_NORM", "1") != "0"
@@ -51,18 +54,21 @@ FUSE_NORM = os.environ.get("BATCHGEN_ALL_REDUCE_NORM", "1") != "0"
 
 class SymmetricAllReduce:
     def __init__(self, group_name: str, allocation: torch.Tensor, bases: torch.Tensor, rank: int, max_programs: int):
-        """allocation: this rank's [2 MAX_BYTES / 2 + flags] bf16 of symmetric memory: the sums' buffer,
+        """allocation: this rank's [2 max_bytes / 2 + flags] bf16 of symmetric memory: the sums' buffer,
         the fused norm's output rows, its int32 flags (zeroed); bases: [W] int64, every rank's address of it."""
         self.group_name = group_name
-        elements = MAX_BYTES // DTYPE.itemsize
+        self.max_bytes = max_bytes(bases.numel())
+        elements = self.max_bytes // DTYPE.itemsize
         self.buffer = allocation[:elements]  # mapped by every rank: partial sums in, sums out
         self.normed = allocation[elements: 2 * elements]  # all_reduce_add_rmsnorm's output
         self.bases, self.rank, self.max_programs = bases, rank, max_programs
+        self.fuse_norm = FUSE_NORM and bases.numel() == FUSED_NORM_RANKS
         self._reduce_in_place = torch.ops.symm_mem.two_shot_all_reduce_
 
-    def holds(self, x: torch.Tensor) -> bool:
-        """x is staging()'s view: a product wrote its partial sums there (so all_reduce_add_rmsnorm can take them)."""
-        return FUSE_NORM and x.data_ptr() == self.buffer.data_ptr()
+    def takes_partials(self, x: torch.Tensor) -> bool:
+        """all_reduce_add_rmsnorm can take x: the fused kernel is on (FUSE_NORM, two ranks) and x is
+        staging()'s view, where a product wrote its partial sums."""
+        return self.fuse_norm and x.data_ptr() == self.buffer.data_ptr()
 
     def all_reduce_add_rmsnorm(self, partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +85,14 @@ class SymmetricAllReduce:
 
     def fits(self, x: torch.Tensor) -> bool:
         """The same answer on every rank: ranks all-reduce tensors of the same shape and dtype."""
-        return (x.dtype == DTYPE and x.numel() * x.element_size() <= MAX_BYTES
+        return (x.dtype == DTYPE and x.numel() * x.element_size() <= self.max_bytes
                 and x.numel() % ELEMENT_MULTIPLE == 0 and x.is_contiguous() and x.is_cuda)
 
     def staging(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The buffer as [rows, cols], for a product to write the partial sums it will all-reduce
         (which saves __call__'s copy into it), or None where such a tensor does not fit."""
         numel = rows * cols
-        if dtype != DTYPE or numel * DTYPE.itemsize > MAX_BYTES or numel % ELEMENT_MULTIPLE:
+        if dtype != DTYPE or numel * DTYPE.itemsize > self.max_bytes or numel % ELEMENT_MULTIPLE:
             return None
         return self.buffer[:numel].view(rows, cols)
 
@@ -114,6 +120,11 @@ class SymmetricAllReduce:
                 unregister(self.group_name)
             except Exception:  # best effort: the engine is closing
                 pass
+
+
+def max_bytes(size: int) -> int:
+    """The largest all-reduce (bytes of bf16) that takes symmetric memory among `size` ranks."""
+    return MAX_BYTES if size == FUSED_NORM_RANKS else MAX_BYTES_MORE_RANKS
 
 
 def supported_here(rank: int, size: int, device: torch.device) -> bool:
@@ -159,7 +170,7 @@ def open_symmetric(store, rank: int, size: int, device: torch.device, backend, s
     group._register_backend(torch.device(device.type), dist.ProcessGroup.BackendType.NCCL, backend)
     group._set_group_name(name)
     torch._C._distributed_c10d._register_process_group(name, group)
-    elements = MAX_BYTES // DTYPE.itemsize
+    elements = max_bytes(size) // DTYPE.itemsize
     flag_elements = 2 * max_programs * size * 4 // DTYPE.itemsize  # int32 [2, max_programs, size]
     allocation = symm_mem.empty(2 * elements + flag_elements, dtype=DTYPE, device=device)
     allocation[2 * elements:].zero_()

@@ -24,7 +24,8 @@ next call, i.e. after this rank's product that read y has run. The kernel waits 
 grid must be co-resident: at most one program an SM (`max_programs`). It is launched without PDL
 (it needs the product before it complete) and never lets the next kernel start early.
 
-Only forward/symmetric_all_reduce.py launches it (GPUs with peer access); everywhere else the ranks
+Only forward/symmetric_all_reduce.py launches it (GPUs with peer access; two ranks: the kernel is
+written for any W, but has run on two GPUs only); everywhere else the ranks
 sum through NCCL or gloo and kernels/rmsnorm.py's add_rmsnorm follows. The reference below is what
 every rank should get (tests/gpu/test_all_reduce_rmsnorm_gpu.py checks the kernel against it and
 against NCCL + add_rmsnorm bit for bit). 2xH200 (benchmarks/KERNELS.md, session 14), graph replays,
