@@ -15,8 +15,9 @@ into the buffer, `all_reduce_add_rmsnorm` does both in one kernel (kernels/all_r
 over the same allocation, which also holds that kernel's output rows and its flags.
 BATCHGEN_ALL_REDUCE_NORM=0 keeps them apart (the two-shot kernel, then the norm's own).
 
-Larger tensors (prefill chunks over 64 MiB) stay with NCCL, and so do other dtypes and GPUs without peer
-access. With more than two ranks (not measured yet) the limit is 2 MiB and the fused norm is off. BATCHGEN_SYMM_ALL_REDUCE=0 turns it off.
+Larger tensors (prefill chunks over 64 MiB) stay with NCCL, and so do other dtypes and GPUs without
+peer access. With more than two ranks (not measured yet) the limit is 2 MiB and the fused norm is
+off. BATCHGEN_SYMM_ALL_REDUCE=0 turns symmetric memory off.
 
 NCCL's abort cannot reach this kernel. A rank killed in the middle of a job still gives the engine's
 one clear error and rank 0 closes and exits (tests/gpu/test_symmetric_all_reduce_gpu.py).
@@ -77,6 +78,8 @@ class SymmetricAllReduce:
         norm reads them first); the residual is updated in place and right on this rank's rows only
         (kernels/all_reduce_rmsnorm.py): only the next such call reads it, on the same rows."""
         if weight.dtype != DTYPE or residual.dtype != DTYPE or residual.shape != partials.shape:
+            # (not met in the engine: partials in this buffer are bf16, so the model, its norms and the
+            # residual are; a forward never mixes this full residual with a by-rows one)
             return add_rmsnorm(self(partials), residual, weight, eps)
         element = DTYPE.itemsize
         all_reduce_add_rmsnorm_triton(self.bases, self.rank, residual, weight, eps, self.buffer.numel() * element,
