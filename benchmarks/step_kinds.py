@@ -10,6 +10,7 @@ Prints one JSON line, "STEPS {...}".
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -77,11 +78,12 @@ def time_steps(llm, requests, args) -> dict:
     results = llm.generate_list(requests, params)
     wall = time.perf_counter() - start
     by_kind: dict[str, list] = {}
-    for k in range(1, len(returns)):  # return k read back the batch that call k - 1 launched
-        if k - 1 < len(kinds) and kinds[k - 1] is not None:
-            entry = by_kind.setdefault(kinds[k - 1], [0, 0.0])
+    # each step() call schedules once; the call after it reads that batch back
+    for launched, (before, after) in zip(kinds, itertools.pairwise(returns)):
+        if launched is not None:
+            entry = by_kind.setdefault(launched, [0, 0.0])
             entry[0] += 1
-            entry[1] += returns[k] - returns[k - 1]
+            entry[1] += after - before
     tokens = sum(r["completion_tokens"] for r in results)
     return {"model": args.model, "workload": args.workload, "tp": args.tensor_parallel_size,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

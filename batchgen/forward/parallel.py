@@ -161,5 +161,6 @@ def connect(store_path: str, rank: int, size: int, device: torch.device) -> Tens
     tp = TensorParallel(rank, size, group, device)
     if device.type == "cuda" and tp.min_over_ranks(int(supported_here(rank, size, device))):
         max_programs = tp.min_over_ranks(torch.cuda.get_device_properties(device).multi_processor_count)
-        tp = dataclasses.replace(tp, symmetric=open_symmetric(store, rank, size, device, group, store_path, max_programs))
+        symmetric = open_symmetric(store, rank, size, device, group, store_path, max_programs)
+        tp = dataclasses.replace(tp, symmetric=symmetric)
     return tp

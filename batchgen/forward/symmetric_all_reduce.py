@@ -7,8 +7,9 @@ over symmetric memory (`torch.ops.symm_mem`) 6 and 13 us, with the same sums bit
 kernel sums one slice of the elements per rank, reading every rank's buffer, then gathers the sums
 into every rank's buffer, in place (torch's out-of-place variant took 15.0 us against 10.9 for
 [192, 4096] bf16 on 2xH200: KERNELS.md, session 10). Row-parallel products write their partial sums
-straight into that buffer where they can (TensorParallel.reduce_buffer), which saves the copy. It meets the peers through signal flags in that memory, so it stays in
-order with the step's other kernels and CUDA graphs capture it like any kernel.
+straight into that buffer where they can (TensorParallel.reduce_buffer), which saves the copy. It
+meets the peers through signal flags in that memory, so it stays in order with the step's other
+kernels and CUDA graphs capture it like any kernel.
 
 After a row-parallel product the layer's add + RMSNorm follows the sum: where the product wrote
 into the buffer, `all_reduce_add_rmsnorm` does both in one kernel (kernels/all_reduce_rmsnorm.py)
@@ -32,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from batchgen.kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm_triton
-from batchgen.kernels.rmsnorm import add_rmsnorm
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class SymmetricAllReduce:
         self.normed = allocation[elements: 2 * elements]  # all_reduce_add_rmsnorm's output
         self.bases, self.rank, self.max_programs = bases, rank, max_programs
         self.fuse_norm = FUSE_NORM and bases.numel() == FUSED_NORM_RANKS
+        self._normed_offset, self._flags_offset = elements * DTYPE.itemsize, 2 * elements * DTYPE.itemsize  # bytes
         self._reduce_in_place = torch.ops.symm_mem.two_shot_all_reduce_
 
     def takes_partials(self, x: torch.Tensor) -> bool:
@@ -76,14 +77,11 @@ class SymmetricAllReduce:
         """partials (held here) summed over ranks, + residual, RMSNorm: -> (normed, new residual). The
         normed rows are this object's output buffer (valid until the next call: the product after the
         norm reads them first); the residual is updated in place and right on this rank's rows only
-        (kernels/all_reduce_rmsnorm.py): only the next such call reads it, on the same rows."""
-        if weight.dtype != DTYPE or residual.dtype != DTYPE or residual.shape != partials.shape:
-            # (not met in the engine: partials in this buffer are bf16, so the model, its norms and the
-            # residual are; a forward never mixes this full residual with a by-rows one)
-            return add_rmsnorm(self(partials), residual, weight, eps)
-        element = DTYPE.itemsize
-        all_reduce_add_rmsnorm_triton(self.bases, self.rank, residual, weight, eps, self.buffer.numel() * element,
-                                      2 * self.buffer.numel() * element, self.max_programs)
+        (kernels/all_reduce_rmsnorm.py): only the next such call reads it, on the same rows. Partials
+        here are bf16, so the model is, with its norms and residual (the launcher asserts the dtypes)."""
+        assert residual.shape == partials.shape and residual.dtype == partials.dtype
+        all_reduce_add_rmsnorm_triton(self.bases, self.rank, residual, weight, eps, self._normed_offset,
+                                      self._flags_offset, self.max_programs)
         return self.normed[: partials.numel()].view(partials.shape), residual
 
     def fits(self, x: torch.Tensor) -> bool:

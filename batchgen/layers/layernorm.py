@@ -14,9 +14,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without residual: rmsnorm(x). With it: (rmsnorm(x + residual), x + residual)."""
+        """Without residual: rmsnorm(x). With it: (rmsnorm(x + residual), x + residual). x may be a
+        row-parallel product's PartialSums: one kernel sums them over the ranks, adds and normalises."""
+        if isinstance(x, PartialSums):
+            return x.tp.all_reduce_add_rmsnorm(x.partials, residual, self.weight, self.eps)
         if residual is None:
             return rmsnorm(x, self.weight, self.eps)
         return add_rmsnorm(x, residual, self.weight, self.eps)
@@ -27,12 +30,10 @@ def normed_product(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual), or without a residual (linear(norm(x)), x). One
     launch where the product streams its weight (one row on a GPU: the skinny kernel applies the norm
-    as it reads x); the norm's kernel, then the product, elsewhere. x may be a row-parallel product's
-    PartialSums: one kernel sums them over the ranks, adds and normalises, then the product."""
-    if isinstance(x, PartialSums):
-        normed, residual = x.add_rmsnorm(residual, norm.weight, norm.eps)
-        return linear(normed), residual
-    if linear.streams(x):  # (the loader gives every weight the model's dtype: the kernel asserts it)
+    as it reads x); the norm's kernel, then the product, elsewhere (also for a row-parallel product's
+    PartialSums, which the norm sums over the ranks)."""
+    # (the loader gives every weight the model's dtype: the skinny kernel asserts it)
+    if not isinstance(x, PartialSums) and linear.streams(x):
         return normed_skinny_gemm(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
     if residual is None:
         return linear(norm(x)), x

@@ -100,7 +100,9 @@ class RowParallelLinear(PackableWeight, nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         _copy(param, loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False, norm_follows: bool = False) -> torch.Tensor | PartialSums:
+    def forward(
+        self, x: torch.Tensor, silu_mul: bool = False, norm_follows: bool = False
+    ) -> torch.Tensor | PartialSums:
         """silu_mul: x is a gate/up pair, the product takes silu(gate) * up (an MLP's down projection).
         norm_follows: the caller's add + RMSNorm takes the output next, so it may get PartialSums,
         which that norm sums over the ranks in its own kernel (layers/layernorm.normed_product)."""
@@ -117,9 +119,7 @@ class RowParallelLinear(PackableWeight, nn.Module):
 
 @dataclass(frozen=True)
 class PartialSums:
-    """A row-parallel product's output on this rank before the sum over ranks (see RowParallelLinear)."""
+    """A row-parallel product's output on this rank before the sum over ranks (see RowParallelLinear);
+    the RMSNorm after it sums them (layers/layernorm.py)."""
     partials: torch.Tensor
     tp: TensorParallel
-
-    def add_rmsnorm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.tp.all_reduce_add_rmsnorm(self.partials, residual, weight, eps)

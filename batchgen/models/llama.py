@@ -106,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(batch.positions, hidden, residual, batch)
         idx = batch.logits_indices  # the final norm only where logits are needed
         if isinstance(hidden, PartialSums):  # (summed over the ranks with the norm, on every row)
-            return hidden.add_rmsnorm(residual, self.norm.weight, self.norm.eps)[0][idx]
+            return self.norm(hidden, residual)[0][idx]
         hidden, _ = self.norm(hidden[idx], residual[idx])
         return hidden
 

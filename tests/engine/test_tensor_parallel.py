@@ -267,3 +267,31 @@ def test_abort_waits_a_bounded_time_and_runs_once():
     group.release.set()  # the graphs are freed: the abort finishes
     tp.abort(wait_s=5)
     assert group.calls == 1 and not tp._aborting[0].is_alive()
+
+
+def test_layers_hand_partial_sums_to_the_norm_after_each_product(tiny_model, monkeypatch):
+    """Where the fused all-reduce + add + RMSNorm serves (two GPUs with peer access), each row-parallel
+    product hands on PartialSums and the RMSNorm after it (the next layer's, the post-attention one,
+    the final one) sums them. Routed here on one CPU rank through the kernel's reference: the same
+    prompt logprobs as the plain path (every position's final norm and LM head), and every o and down
+    product went that way."""
+    from batchgen.forward.parallel import TensorParallel
+    from batchgen.kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm_ref
+
+    model_dir = tiny_model("llama")
+    rows = [{"prompt_token_ids": p, "prompt_logprobs": True} for p in prompts() if len(p) > 1]
+    scoring = SamplingParams(temperature=0, max_tokens=1)
+    plain = generate(model_dir, 1, rows, scoring, device="cpu")
+    calls = []
+
+    def summed_with_norm(self, partials, residual, weight, eps):
+        calls.append(partials.shape)
+        return all_reduce_add_rmsnorm_ref([partials], residual, weight, eps)
+
+    monkeypatch.setattr(TensorParallel, "defers_sum", lambda self, partials: True)
+    monkeypatch.setattr(TensorParallel, "all_reduce_add_rmsnorm", summed_with_norm)
+    routed = generate(model_dir, 1, rows, scoring, device="cpu")
+    for a, b in zip(plain, routed):
+        torch.testing.assert_close(torch.tensor(b["prompt_logprobs"]), torch.tensor(a["prompt_logprobs"]))
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert calls and len(calls) % (2 * layers) == 0  # two products a layer, every forward
