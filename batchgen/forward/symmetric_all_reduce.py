@@ -43,8 +43,10 @@ log = logging.getLogger(__name__)
 _opened_in_this_process = False
 
 # 64 MiB: a prefill step of 8,192 tokens of hidden 4096 (two-shot 214 us against NCCL's 247 on 2xH200,
-# benchmarks/KERNELS.md session 14); NCCL above it. Twice this a rank (sums and normed rows). Measured
-# and tested on two GPUs only: more ranks keep the 2 MiB of decode steps and the norm's own kernel.
+# benchmarks/KERNELS.md session 14); NCCL above it. Twice this a rank (sums and normed rows). At two
+# ranks only: on 4xH200 (session 15) the fused kernel is correct at four ranks (its GPU test), but
+# llama-3.1-8b W-offline at TP=4 ran 4.7% slower with it and the 64 MiB than with the 2 MiB of decode
+# steps and the norm's own kernel, which more ranks keep.
 MAX_BYTES = 64 << 20
 MAX_BYTES_MORE_RANKS = 2 << 20
 FUSED_NORM_RANKS = 2  # the world size the fused add + RMSNorm runs at
