@@ -17,8 +17,8 @@ over the same allocation, which also holds that kernel's output rows and its fla
 BATCHGEN_ALL_REDUCE_NORM=0 keeps them apart (the two-shot kernel, then the norm's own).
 
 Larger tensors (prefill chunks over 64 MiB) stay with NCCL, and so do other dtypes and GPUs without
-peer access. With more than two ranks (not measured yet) the limit is 2 MiB and the fused norm is
-off. BATCHGEN_SYMM_ALL_REDUCE=0 turns symmetric memory off.
+peer access. With more than two ranks the limit is 2 MiB and the fused norm is off (at four ranks
+both together were slower: MAX_BYTES's comment). BATCHGEN_SYMM_ALL_REDUCE=0 turns symmetric memory off.
 
 NCCL's abort cannot reach this kernel. A rank killed in the middle of a job still gives the engine's
 one clear error and rank 0 closes and exits (tests/gpu/test_symmetric_all_reduce_gpu.py).

@@ -25,8 +25,8 @@ grid must be co-resident: at most one program an SM (`max_programs`). It is laun
 (it needs the product before it complete) and never lets the next kernel start early.
 
 Only forward/symmetric_all_reduce.py launches it (GPUs with peer access; two ranks: the kernel is
-written for any W, but has run on two GPUs only); everywhere else the ranks
-sum through NCCL or gloo and kernels/rmsnorm.py's add_rmsnorm follows. The reference below is what
+written for any W and gives the same rows at four, but was slower end to end there); everywhere else
+the ranks sum through NCCL or gloo and kernels/rmsnorm.py's add_rmsnorm follows. The reference below is what
 every rank should get (tests/gpu/test_all_reduce_rmsnorm_gpu.py checks the kernel against it and
 against NCCL + add_rmsnorm bit for bit). 2xH200 (benchmarks/KERNELS.md, session 14), graph replays,
 [rows, 4096] bf16, µs against the two-shot all-reduce then the norm: 1 row 7.4 vs 8; 256 rows 12.5
