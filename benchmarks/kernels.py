@@ -17,7 +17,7 @@ benchmarks/KERNELS.md). "unified" times unified attention (one launch for a mixe
 decode + prefill launches of the same step; "rope_store" the fused rope + KV store against the two
 ops. The issue #11 run: --only unified,rope_store --sweep --budget-s 100 (about 2 minutes).
 "gemm" times the model's products (cuBLAS through F.linear, cuBLASLt, and at one row the skinny kernel
-with and without its SiLU-and-mul) at decode batch sizes as a
+with and without its SiLU-and-mul, with plain loads and, on Hopper, through TMA) at decode batch sizes as a
 CUDA graph replays them: 16 distinct weights a replay (as 16 layers: nothing stays in L2), no host
 launch cost (do_bench of one small product measures Python's launch, not the GPU).
 """
@@ -50,7 +50,7 @@ from batchgen.kernels.unified_attention import _unified_attention_launch, unifie
 from batchgen.kernels.rmsnorm import add_rmsnorm_ref, add_rmsnorm_triton, rmsnorm_ref, rmsnorm_triton
 from batchgen.kernels.rotary import apply_rotary_ref, apply_rotary_triton
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
-from batchgen.kernels.skinny_gemm import skinny_gemm_triton
+from batchgen.kernels.skinny_gemm import default_tile, skinny_gemm_triton, tma_ok, tma_supported, tma_tile
 from batchgen.kernels.store_kv import store_kv_ref, store_kv_triton
 
 MODELS = {
@@ -507,10 +507,12 @@ def bench_gemm(model, cfg, copy_bw):
                 x = torch.randn(m, k, dtype=DTYPE, device=DEVICE)
                 floor_us = max(n * k * ELEM / copy_bw, 2 * m * n * k / PEAK_BF16_FLOPS) * 1e6
                 impls = {library: lambda: [F.linear(x, w) for w in ws] for library in ("cublas", "cublaslt")}
-                if m == 1:  # what the engine runs for one row (layers/packed_linear.py)
-                    impls["skinny"] = lambda: [skinny_gemm_triton(x, w) for w in ws]
+                if m == 1:  # what the engine may run for one row (layers/packed_linear.py, skinny_gemm.uses_tma)
+                    impls["skinny"] = lambda: [skinny_gemm_triton(x, w, tile=default_tile(n, k)) for w in ws]
+                    if tma_supported(x.device) and tma_ok(ws[0]):
+                        impls["skinny_tma"] = lambda: [skinny_gemm_triton(x, w, tile=tma_tile(n, k)) for w in ws]
                 for impl, fn in impls.items():
-                    if impl != "skinny":
+                    if impl in ("cublas", "cublaslt"):
                         torch.backends.cuda.preferred_blas_library(impl)
                     us = replay_us(fn)
                     emit(kind="gemm", model=model, shape=f"{name} M={m}", impl=impl, us=round(us, 2),
@@ -518,8 +520,12 @@ def bench_gemm(model, cfg, copy_bw):
             if name == "down":  # one row: SiLU-and-mul + cuBLAS, against the skinny product that applies it
                 torch.backends.cuda.preferred_blas_library("cublas")
                 gate_up = torch.randn(1, 2 * k, dtype=DTYPE, device=DEVICE)
-                for impl, fn in (("silu+cublas", lambda: [F.linear(silu_and_mul_triton(gate_up), w) for w in ws]),
-                                 ("skinny_silu", lambda: [skinny_gemm_triton(gate_up, w, silu_mul=True) for w in ws])):
+                plain, tma = default_tile(n, k), tma_tile(n, k)
+                impls = {"silu+cublas": lambda: [F.linear(silu_and_mul_triton(gate_up), w) for w in ws],
+                         "skinny_silu": lambda: [skinny_gemm_triton(gate_up, w, silu_mul=True, tile=plain) for w in ws]}
+                if tma_supported(gate_up.device) and tma_ok(ws[0]):
+                    impls["skinny_tma_silu"] = lambda: [skinny_gemm_triton(gate_up, w, True, tile=tma) for w in ws]
+                for impl, fn in impls.items():
                     emit(kind="gemm", model=model, shape="down+silu M=1", impl=impl, us=round(replay_us(fn), 2))
             del ws
     finally:

@@ -15,8 +15,22 @@ gate/up projections, without the norm kernel before them).
 
 W must be a constant (a weight): under programmatic dependent launch (kernels/pdl.py) each program
 reads its first chunk of W (two where the product has few programs) before waiting for the kernel before it.
+
+Two kernels read W. `_skinny_gemm_kernel` loads each chunk into registers: one chunk in flight a
+program, and with K <= 1024 a program's whole share of W is one chunk. On Hopper, one row with K <=
+1024 and a weight of at least 2^23 elements (qwen2.5-0.5b's gate/up and LM head) takes `_tma_row_kernel`
+instead: W through the tensor memory accelerator, chunks of 256 columns pipelined over 5 stages in
+shared memory. Its norm, where it has one, runs in the norm kernel before it: in the product, every
+program's pass over x for the statistics came before its stream (W-decode1 0.745 against 0.705 ms).
+On an H200 (KERNELS.md, session 16), one row, graph replays, us: qwen2.5-0.5b's gate/up 5.7 against
+8.2 (plain loads) and 7.2 (cuBLAS), its LM head 61 against 74 and 65; W-decode1 0.705 against 0.776
+ms a token. llama-3.2-1b's products (K = 2048, 8192) were 6-12% faster alone through TMA and no faster
+in the engine (its gate/up slower), so K > 1024 keeps the other paths.
 """
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -32,6 +46,59 @@ MAX_ROWS = 8
 # W-decode1 on an H200 (KERNELS.md): qwen2.5-0.5b's down projection (224 programs) gained 3% of a token;
 # llama-3.2-1b's products (384 to 4,096 programs) lost 0.5-1.7% with it (the second chunk's registers).
 PREFETCH_MAX_PROGRAMS = 256
+# One-row products with rows of at most TMA_MAX_K and at least TMA_MIN_WEIGHT weight elements read W
+# through TMA where the GPU has it (see the module's docstring)
+TMA_MAX_K = 1024
+TMA_MIN_WEIGHT = 1 << 23
+
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
+
+@functools.cache
+def _tma_supported(device_index: int) -> bool:
+    if TensorDescriptor is None or os.environ.get("BATCHGEN_SKINNY_TMA", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether one-row products on this device may read W through TMA descriptors (Hopper and later;
+    off with BATCHGEN_SKINNY_TMA=0)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _tma_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def tma_ok(weight: torch.Tensor) -> bool:
+    """Whether W can have a TMA descriptor: 16-byte aligned base and row stride, contiguous rows."""
+    return TensorDescriptor is not None and weight.dim() == 2 and weight.stride(1) == 1 and (
+        weight.data_ptr() % 16 == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0)
+
+
+@triton.jit
+def _input_values(
+    x_ptr, x_offs, res_ptr, res_offs, mask, norm_w_ptr, k, k_ok, rstd, K,
+    SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    """The product's input at x_offs (any shape; its last axis the columns k), in fp32: x, silu(g) * u,
+    or rmsnorm(x + r) * w rounded as add_rmsnorm rounds it (the sum, the normalised row and the
+    weighted row each to x's dtype); rstd broadcasts against x_offs."""
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+    if SILU_MUL:
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptr + x_offs + K, mask=mask, other=0.0).to(tl.float32)
+        return gate * tl.sigmoid(gate) * up
+    if NORM:
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + res_offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        w = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w
+        return normed.to(x.dtype).to(tl.float32)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -39,24 +106,12 @@ def _input_chunk(
     x_ptr, x_stride_m, res_ptr, res_stride_m, norm_w_ptr, rstd, m, m_ok, k, k_ok, K,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
-    """The product's input at columns k of rows m, in fp32: x, silu(g) * u, or rmsnorm(x + r) * w
-    rounded as add_rmsnorm rounds it (the sum, the normalised row and the weighted row each to x's
-    dtype)."""
+    """_input_values at columns k of rows m: [BLOCK_M, BLOCK_K]."""
     mask = m_ok[:, None] & k_ok[None, :]
-    offs = m[:, None].to(tl.int64) * x_stride_m + k[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if SILU_MUL:
-        gate = x.to(tl.float32)
-        up = tl.load(x_ptr + offs + K, mask=mask, other=0.0).to(tl.float32)
-        return gate * tl.sigmoid(gate) * up
-    if NORM:
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + m[:, None].to(tl.int64) * res_stride_m + k[None, :], mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        w = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]
-        return normed.to(x.dtype).to(tl.float32)
-    return x.to(tl.float32)
+    x_offs = m[:, None].to(tl.int64) * x_stride_m + k[None, :]
+    res_offs = m[:, None].to(tl.int64) * res_stride_m + k[None, :]
+    return _input_values(x_ptr, x_offs, res_ptr, res_offs, mask, norm_w_ptr, k[None, :], k_ok[None, :],
+                         rstd[:, None], K, SILU_MUL, NORM, HAS_RESIDUAL)
 
 
 @triton.jit
@@ -168,7 +223,46 @@ def _skinny_gemm_kernel(
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (rows < N)[None, :])
 
 
+@triton.jit
+def _tma_row_kernel(
+    x_ptr,  # [1, K], or [1, 2K] gate/up when SILU_MUL
+    w_desc,  # TMA descriptor of W [N, K], blocks [BLOCK_N, BLOCK_K]
+    bias_ptr,  # [N], or any pointer when not HAS_BIAS
+    y_ptr,  # [1, N]
+    N,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,  # chunks of W in flight a program (shared-memory buffers)
+    SILU_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One row: y[n] = sum_k input[k] W[n, k], summed as _skinny_gemm_kernel's DEFER_SUM (fp32 per
+    lane, one sum at the end), W read through TMA (rows and columns past W read as zeros). The row is
+    a [BLOCK_K] vector broadcast over the [BLOCK_N, BLOCK_K] chunk: a first version inside the other
+    kernel, with its axis for rows of x, took up to 1.5x the time (KERNELS.md, session 16)."""
+    pid = tl.program_id(0)
+    row0 = pid * BLOCK_N
+    cols = tl.arange(0, BLOCK_K)
+    first_w = w_desc.load([row0, 0])  # before the PDL wait: W is a constant
+    wait_for_prior_kernels(PDL)
+    x = _input_values(x_ptr, cols, x_ptr, cols, cols < K, x_ptr, cols, cols < K, 0.0, K, SILU_MUL, False, False)
+    acc = first_w.to(tl.float32) * x[None, :]
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        k = k0 + cols
+        w = w_desc.load([row0, k0])
+        x = _input_values(x_ptr, k, x_ptr, k, k < K, x_ptr, k, k < K, 0.0, K, SILU_MUL, False, False)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    rows = row0 + tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
 Tile = tuple[int, int, int, int, bool]  # (BLOCK_N, BLOCK_K, warps, stages, DEFER_SUM)
+TmaTile = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, warps, stages): a tile of _tma_row_kernel
 
 
 def default_tile(n: int, k: int) -> Tile:
@@ -180,6 +274,19 @@ def default_tile(n: int, k: int) -> Tile:
     if n <= 2048:
         return (4, 1024, 8, 1, True)
     return (8, 1024, 4, 1, True)
+
+
+def tma_tile(n: int, k: int) -> TmaTile:
+    """Swept at one row on an H200 (KERNELS.md, session 16), graph replays: 256 columns a chunk, 5
+    stages of 4 warps; 16 rows a program for LM heads, 8 elsewhere."""
+    return (16, 256, 4, 5) if n * k >= 1 << 27 else (8, 256, 4, 5)
+
+
+def uses_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the product of x with weight goes to _tma_row_kernel (see the module's docstring)."""
+    n, k = weight.shape
+    return (x.shape[0] == 1 and k <= TMA_MAX_K and n * k >= TMA_MIN_WEIGHT and tma_supported(x.device)
+            and tma_ok(weight))
 
 
 def prefetched_chunks(num_programs: int, k: int, block_k: int) -> int:
@@ -201,6 +308,9 @@ def _launch(x, weight, bias, out_dtype, tile, silu_mul=False, residual=None, nor
         return y, new_residual
     if norm_weight is not None:
         assert norm_weight.shape == (k,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
+    if (uses_tma(x, weight) if tile is None else len(tile) == 4) and norm_weight is None:
+        assert num_rows == 1 and tma_ok(weight)
+        return _launch_tma(x, weight, bias, y, silu_mul, tile), new_residual
     block_n, block_k, num_warps, num_stages, defer = tile or default_tile(n, k)
     block_k = min(block_k, triton.next_power_of_2(k))
     num_programs = triton.cdiv(n, block_n)
@@ -217,9 +327,21 @@ def _launch(x, weight, bias, out_dtype, tile, silu_mul=False, residual=None, nor
     return y, new_residual
 
 
+def _launch_tma(x, weight, bias, y, silu_mul, tile):
+    n, k = weight.shape
+    block_n, block_k, num_warps, num_stages = tile or tma_tile(n, k)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    _tma_row_kernel[(triton.cdiv(n, block_n),)](
+        x, TensorDescriptor.from_tensor(weight, [block_n, block_k]), weight if bias is None else bias, y, n, k,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(x.device),
+    )
+    return y
+
+
 def skinny_gemm_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-    out_dtype: torch.dtype | None = None, tile: Tile | None = None, out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None, tile: Tile | TmaTile | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (or gate/up [M, 2K] with silu_mul) @ weight [N, K]^T (+ bias [N]) -> [M, N] in
     out_dtype (default x's), into out when given."""
@@ -228,7 +350,7 @@ def skinny_gemm_triton(
 
 def normed_skinny_gemm_triton(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None = None, tile: Tile | None = None,
+    weight: torch.Tensor, bias: torch.Tensor | None = None, tile: Tile | TmaTile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) @ weight^T (+ bias), x + residual), or with no residual
     (rmsnorm(x) @ weight^T (+ bias), x): add_rmsnorm and the product in one launch."""

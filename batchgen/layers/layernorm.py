@@ -2,7 +2,7 @@ import torch
 from torch import nn
 
 from batchgen.kernels import add_rmsnorm, rmsnorm
-from batchgen.kernels.skinny_gemm import normed_skinny_gemm
+from batchgen.kernels.skinny_gemm import normed_skinny_gemm, uses_tma
 from batchgen.layers.linear import PartialSums
 from batchgen.layers.packed_linear import PackableWeight
 
@@ -29,11 +29,12 @@ def normed_product(
     norm: RMSNorm, x: torch.Tensor | PartialSums, residual: torch.Tensor | None, linear: PackableWeight
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual), or without a residual (linear(norm(x)), x). One
-    launch where the product streams its weight (one row on a GPU: the skinny kernel applies the norm
-    as it reads x); the norm's kernel, then the product, elsewhere (also for a row-parallel product's
-    PartialSums, which the norm sums over the ranks)."""
+    launch where the product streams its weight with plain loads (one row on a GPU: the skinny kernel
+    applies the norm as it reads x); the norm's kernel, then the product, elsewhere (also for a
+    row-parallel product's PartialSums, which the norm sums over the ranks, and a weight read through
+    TMA: kernels/skinny_gemm.py says why)."""
     # (the loader gives every weight the model's dtype: the skinny kernel asserts it)
-    if not isinstance(x, PartialSums) and linear.streams(x):
+    if not isinstance(x, PartialSums) and linear.streams(x) and not uses_tma(x, linear.weight):
         return normed_skinny_gemm(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
     if residual is None:
         return linear(norm(x)), x

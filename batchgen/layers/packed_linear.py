@@ -11,10 +11,10 @@ F.linear's result on a probe, the layers keep F.linear.
 
 PackableWeight.matmul is every layer's product: packed on CPU, F.linear elsewhere, except one row of
 16-bit activations on a GPU (the decode of a single sequence) with a weight of at most 2^24 elements,
-which the skinny kernel streams (kernels/skinny_gemm.py: 9-20% under cuBLAS's batch-1 products on
-llama-3.2-1b's qkv, o and down in CUDA graphs on an H200; the down projection takes silu(gate) * up
-as it reads, and layernorm.normed_product gives qkv and gate/up their RMSNorm the same way: a kernel
-less each).
+or one the kernel reads through TMA, which the skinny kernel streams (kernels/skinny_gemm.py: 9-20%
+under cuBLAS's batch-1 products on llama-3.2-1b's qkv, o and down in CUDA graphs on an H200; the down
+projection takes silu(gate) * up as it reads, and layernorm.normed_product gives qkv and gate/up
+their RMSNorm the same way: a kernel less each).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels import silu_and_mul
-from batchgen.kernels.skinny_gemm import skinny_gemm
+from batchgen.kernels.skinny_gemm import skinny_gemm, uses_tma
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,8 @@ def can_pack(dtype: torch.dtype) -> bool:
 # larger ones (llama-3.2-1b's gate/up, llama-3.1-8b's qkv, gate/up and down; H200, KERNELS.md). LM
 # heads, far larger, stream faster again (ParallelLMHead asks streams_weight alone).
 # The same holds with the RMSNorm applied in the product: handing llama-3.2-1b's gate/up (2^25) to it
-# too made W-decode1 slower (1.119 vs 1.093 ms), though it saves a norm launch.
+# too made W-decode1 slower (1.119 vs 1.093 ms), though it saves a norm launch. Weights the kernel
+# reads through TMA (Hopper, rows of at most 1,024: skinny_gemm.uses_tma) stream at any size.
 SKINNY_MAX_WEIGHT = 1 << 24
 
 
@@ -88,7 +89,8 @@ class PackableWeight:
 
     def streams(self, x: torch.Tensor) -> bool:
         """Whether the product with x goes to the skinny kernel."""
-        return streams_weight(x) and self.weight.numel() <= SKINNY_MAX_WEIGHT  # (packed weights are CPU's)
+        # (packed weights are CPU's)
+        return streams_weight(x) and (self.weight.numel() <= SKINNY_MAX_WEIGHT or uses_tma(x, self.weight))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
                out: torch.Tensor | None = None) -> torch.Tensor:

@@ -50,8 +50,17 @@ def build(name, path):
     return model.eval()
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_matches_hf_on_gpu(name, tmp_path):
+# On Hopper, qwen3-0.6b's LM head (rows of 1,024) is read through TMA at one row; with TMA_MIN_WEIGHT
+# at 1 its qkv and gate/up are too, each after its norm kernel (kernels/skinny_gemm.py)
+@pytest.mark.parametrize("name,tma_min_weight", [("llama-3.2-1b", None), ("qwen3-0.6b", None), ("qwen3-0.6b", 1)])
+def test_matches_hf_on_gpu(name, tma_min_weight, tmp_path, monkeypatch):
+    import batchgen.kernels.skinny_gemm as skinny
+
+    tma_launches = []
+    if tma_min_weight is not None:
+        monkeypatch.setattr(skinny, "TMA_MIN_WEIGHT", tma_min_weight)
+        launch = skinny._launch_tma
+        monkeypatch.setattr(skinny, "_launch_tma", lambda *args: tma_launches.append(args[1].shape) or launch(*args))
     hf = build(name, tmp_path)
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100000) for _ in range(n)] for n in PROMPT_LENGTHS]
@@ -84,7 +93,10 @@ def test_matches_hf_on_gpu(name, tmp_path):
                                SamplingParams(temperature=0, max_tokens=1))
     del llm
     torch.cuda.empty_cache()
-    report = {"model": name, "gpu": torch.cuda.get_device_name(), "prompts": PROMPT_LENGTHS, "equal_prefix": []}
+    if tma_min_weight is not None and skinny.tma_supported(torch.device("cuda")):
+        assert {(16 * 128 + 2 * 8 * 128, 1024), (2 * 3072, 1024)} <= set(tma_launches)  # qkv, gate/up
+    report = {"model": name, "tma_min_weight": tma_min_weight, "gpu": torch.cuda.get_device_name(),
+              "prompts": PROMPT_LENGTHS, "equal_prefix": []}
 
     def equal_prefix(ours, tokens, margins):
         equal = next((i for i, (a, b) in enumerate(zip(ours, tokens)) if a != b), len(tokens))

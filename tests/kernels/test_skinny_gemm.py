@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import batchgen.kernels.skinny_gemm as skinny
 from batchgen.kernels.skinny_gemm import (
     normed_skinny_gemm_ref,
     normed_skinny_gemm_triton,
@@ -79,8 +80,6 @@ def test_normed_skinny_gemm(device, assert_close, dtype, m, n, k, residual, tile
 @pytest.mark.parametrize("k", [64, 96, 128, 700])  # one chunk (no second), a partial second, exactly two, many
 def test_chunks_before_the_wait(device, assert_close, monkeypatch, k, mode, defer, prefetch_two):
     """One or two chunks of W read before the PDL wait: each chunk counts once."""
-    import batchgen.kernels.skinny_gemm as skinny
-
     monkeypatch.setattr(skinny, "PREFETCH_MAX_PROGRAMS", 1 << 30 if prefetch_two else 0)
     assert skinny.prefetched_chunks(3, k, 64) == (2 if prefetch_two and k > 64 else 1)
     torch.manual_seed(3)
@@ -108,3 +107,44 @@ def test_writes_into_out(device, assert_close):
     assert_close(out, skinny_gemm_ref(x, weight))
     with pytest.raises(AssertionError):  # the wrong shape is refused, not written past
         skinny_gemm_triton(x, weight, out=torch.empty(1, 23, device=device))
+
+
+# One row through TMA (_tma_row_kernel): N not a multiple of BLOCK_N, K not a multiple of BLOCK_K (rows
+# and columns past W read as zeros), K = 712 (16-bit rows of 1,424 bytes: a multiple of 16, as a
+# descriptor needs); qwen2.5-0.5b's gate/up and llama-3.2-1b's down on the GPU.
+TMA_SHAPES = [(8, 64), (37, 96), (19, 712)] + [
+    pytest.param(n, k, marks=pytest.mark.gpu) for n, k in [(9728, 896), (2048, 8192)]
+]
+# (BLOCK_N, BLOCK_K, warps, stages): several chunks in flight, and a lone chunk past K's end
+TMA_TILES = [None, (8, 32, 4, 3), (4, 64, 4, 2)]
+
+
+@pytest.mark.parametrize("tile", TMA_TILES)
+@pytest.mark.parametrize("silu_mul,bias", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", TMA_SHAPES)
+def test_tma_row(device, assert_close, dtype, n, k, silu_mul, bias, tile):
+    torch.manual_seed(4)
+    weight = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    x = torch.randn(1, 2 * k if silu_mul else k, dtype=dtype, device=device)
+    b = torch.randn(n, dtype=dtype, device=device) if bias else None
+    got = skinny_gemm_triton(x, weight, b, silu_mul, tile=tile or skinny.tma_tile(n, k))
+    assert_close(got, skinny_gemm_ref(x, weight, b, silu_mul), scale=2)
+
+
+def test_tma_choice(monkeypatch):
+    """Which one-row products read W through TMA: large weights with rows of at most TMA_MAX_K that a
+    descriptor can take, on a GPU that has it; a norm in the product keeps plain loads."""
+    monkeypatch.setattr(skinny, "tma_supported", lambda device: True)
+    k = skinny.TMA_MAX_K
+    row, rows = torch.empty(1, k), torch.empty(2, k)
+    big = torch.empty(skinny.TMA_MIN_WEIGHT // k, k)
+    assert skinny.uses_tma(row, big)
+    assert not skinny.uses_tma(rows, big)  # one row only
+    assert not skinny.uses_tma(row, big[:-1])  # under TMA_MIN_WEIGHT
+    assert not skinny.uses_tma(torch.empty(1, 2 * k), torch.empty(big.shape[0], 2 * k))  # longer rows
+    odd = torch.empty(skinny.TMA_MIN_WEIGHT // 700 + 1, 700, dtype=torch.float16)  # 1,400-byte rows
+    assert not skinny.tma_ok(odd) and not skinny.uses_tma(torch.empty(1, 700, dtype=torch.float16), odd)
+    assert not skinny.tma_ok(torch.empty(8, 72, dtype=torch.bfloat16)[:, 4:])  # base 8 bytes off
+    monkeypatch.undo()
+    assert not skinny.tma_supported(torch.device("cpu"))
