@@ -24,7 +24,7 @@ shared memory. Its norm, where it has one, runs in the norm kernel before it: in
 program's pass over x for the statistics came before its stream (W-decode1 0.745 against 0.705 ms).
 On an H200 (KERNELS.md, session 16), one row, graph replays, us: qwen2.5-0.5b's gate/up 5.7 against
 8.2 (plain loads) and 7.2 (cuBLAS), its LM head 61 against 74 and 65; W-decode1 0.705 against 0.776
-ms a token. llama-3.2-1b's products (K = 2048, 8192) were 6-12% faster alone through TMA and no faster
+ms a token. llama-3.2-1b's products (K = 2048, 8192) were 2-12% faster alone through TMA and no faster
 in the engine (its gate/up slower), so K > 1024 keeps the other paths.
 """
 from __future__ import annotations
@@ -308,8 +308,9 @@ def _launch(x, weight, bias, out_dtype, tile, silu_mul=False, residual=None, nor
         return y, new_residual
     if norm_weight is not None:
         assert norm_weight.shape == (k,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
-    if (uses_tma(x, weight) if tile is None else len(tile) == 4) and norm_weight is None:
-        assert num_rows == 1 and tma_ok(weight)
+    tma = (uses_tma(x, weight) and norm_weight is None) if tile is None else len(tile) == 4
+    if tma:
+        assert num_rows == 1 and norm_weight is None and tma_ok(weight), "TMA: one row, no norm, an aligned W"
         return _launch_tma(x, weight, bias, y, silu_mul, tile), new_residual
     block_n, block_k, num_warps, num_stages, defer = tile or default_tile(n, k)
     block_k = min(block_k, triton.next_power_of_2(k))
