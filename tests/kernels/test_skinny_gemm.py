@@ -134,7 +134,7 @@ def test_tma_row(device, assert_close, dtype, n, k, silu_mul, bias, tile):
 
 def test_tma_choice(monkeypatch):
     """Which one-row products read W through TMA: large weights with rows of at most TMA_MAX_K that a
-    descriptor can take, on a GPU that has it; a norm in the product keeps plain loads."""
+    descriptor can take, on a GPU that has it."""
     monkeypatch.setattr(skinny, "tma_supported", lambda device: True)
     k = skinny.TMA_MAX_K
     row, rows = torch.empty(1, k), torch.empty(2, k)
@@ -148,3 +148,21 @@ def test_tma_choice(monkeypatch):
     assert not skinny.tma_ok(torch.empty(8, 72, dtype=torch.bfloat16)[:, 4:])  # base 8 bytes off
     monkeypatch.undo()
     assert not skinny.tma_supported(torch.device("cpu"))
+
+
+def test_tma_by_default_but_not_with_a_norm(device, assert_close, monkeypatch):
+    """With no tile given, a product uses_tma picks goes through TMA; the same weight with a norm in the
+    product keeps plain loads (the layers run the norm kernel first: layernorm.normed_product)."""
+    monkeypatch.setattr(skinny, "tma_supported", lambda device: True)
+    monkeypatch.setattr(skinny, "TMA_MIN_WEIGHT", 1)
+    launches = []
+    launch = skinny._launch_tma
+    monkeypatch.setattr(skinny, "_launch_tma", lambda *args: launches.append(args[1].shape) or launch(*args))
+    torch.manual_seed(5)
+    x, weight = torch.randn(1, 96, device=device), torch.randn(37, 96, device=device) / 96**0.5
+    assert_close(skinny_gemm_triton(x, weight), skinny_gemm_ref(x, weight), scale=2)
+    assert launches == [(37, 96)]
+    norm_weight = torch.rand(96, device=device) + 0.5
+    got = normed_skinny_gemm_triton(x, None, norm_weight, 1e-6, weight)[0]
+    assert_close(got, normed_skinny_gemm_ref(x, None, norm_weight, 1e-6, weight)[0], scale=3)
+    assert launches == [(37, 96)]
