@@ -247,6 +247,7 @@ def _tma_row_kernel(
     cols = tl.arange(0, BLOCK_K)
     first_w = w_desc.load([row0, 0])  # before the PDL wait: W is a constant
     wait_for_prior_kernels(PDL)
+    # x or silu(g) * u (no residual, no norm: x_ptr stands in for their unused pointers)
     x = _input_values(x_ptr, cols, x_ptr, cols, cols < K, x_ptr, cols, cols < K, 0.0, K, SILU_MUL, False, False)
     acc = first_w.to(tl.float32) * x[None, :]
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
