@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.rmsnorm import add_rmsnorm_ref
+
 
 @triton.jit
 def _remote(bases_ptr, rank, byte_offset, DTYPE: tl.constexpr):
@@ -132,7 +134,4 @@ def all_reduce_add_rmsnorm_ref(
     total = partials[0].float()
     for p in partials[1:]:
         total = total + p.float()
-    x = (total.to(residual.dtype).float() + residual.float()).to(residual.dtype)
-    xf = x.float()
-    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return y.to(x.dtype), x
+    return add_rmsnorm_ref(total.to(residual.dtype), residual, weight, eps)

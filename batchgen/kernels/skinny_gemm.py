@@ -61,15 +61,16 @@ except ImportError:
 def _tma_supported(device_index: int) -> bool:
     if TensorDescriptor is None or os.environ.get("BATCHGEN_SKINNY_TMA", "1") == "0":
         return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def tma_supported(device: torch.device) -> bool:
     """Whether one-row products on this device may read W through TMA descriptors (Hopper and later;
     off with BATCHGEN_SKINNY_TMA=0)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return _tma_supported(device.index if device.index is not None else torch.cuda.current_device())
+    return device.type == "cuda" and _tma_supported(
+        device.index if device.index is not None else torch.cuda.current_device())
 
 
 def tma_ok(weight: torch.Tensor) -> bool:
