@@ -2,6 +2,8 @@
 
     y = x / sqrt(mean(x^2) + eps) * weight          (statistics in fp32, as HF Llama computes them)
     add_rmsnorm: r' = x + r (in x's dtype);  y = rmsnorm(r')
+    add_rmsnorm_parts: x = sum_s parts[s] (fp32, in split order, rounded to r's dtype), then add_rmsnorm
+    (the fp32 parts of a split-K product: kernels/tile_gemm.py)
 
 The normalised row is rounded to x's dtype before the weight multiplies it (HF Llama does the same),
 so y has the dtype of (weight * x).
@@ -17,6 +19,7 @@ from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 def _rmsnorm_kernel(
     x_ptr,  # [T, H] input
     x_stride_t,  # elements between two rows of x
+    part_stride,  # elements between two parts of x (NUM_PARTS > 0)
     residual_ptr,  # [T, H] residual (read only when HAS_RESIDUAL)
     residual_stride_t,  # elements between two rows of residual
     weight_ptr,  # [H] contiguous
@@ -27,6 +30,7 @@ def _rmsnorm_kernel(
     hidden,  # H
     eps,  # float
     HAS_RESIDUAL: tl.constexpr,
+    NUM_PARTS: tl.constexpr,  # > 0: x is [NUM_PARTS, T, H] fp32 parts to sum (with a residual)
     BLOCK_H: tl.constexpr,  # next power of 2 >= H: one program holds a whole row
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
@@ -35,6 +39,10 @@ def _rmsnorm_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     x = tl.load(x_ptr + row * x_stride_t + cols, mask=mask, other=0.0)
+    if NUM_PARTS > 0:
+        for s in tl.static_range(1, NUM_PARTS):
+            x += tl.load(x_ptr + s * part_stride + row * x_stride_t + cols, mask=mask, other=0.0)
+        x = x.to(residual_ptr.dtype.element_ty)  # as the product rounds its output
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * residual_stride_t + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # one rounding, as torch's x + r
@@ -48,28 +56,31 @@ def _rmsnorm_kernel(
     tl.store(out_ptr + row * out_stride_t + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, parts=None):
+    """parts: [S, T, H] fp32 whose sum is x (then x is parts[0] and residual is required)."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, H] with contiguous rows"
     assert weight.is_contiguous() and weight.shape == (x.shape[1],)
     num_tokens, hidden = x.shape
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    x_dtype = x.dtype if parts is None else residual.dtype
+    out = torch.empty(x.shape, dtype=torch.promote_types(x_dtype, weight.dtype), device=x.device)
     if residual is None:
         residual = new_residual = x  # placeholders, never touched
     else:
-        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
-        new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x_dtype
+        new_residual = torch.empty_like(residual, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out, new_residual
     block_h = triton.next_power_of_2(hidden)
     num_warps = min(max(block_h // 512, 1), 16)
     _rmsnorm_kernel[(num_tokens,)](
-        x, x.stride(0),
+        x, x.stride(0), 0 if parts is None else parts.stride(0),
         residual, residual.stride(0),
         weight,
         out, out.stride(0),
         new_residual, new_residual.stride(0),
         hidden, eps,
         HAS_RESIDUAL=residual is not x,
+        NUM_PARTS=0 if parts is None else parts.shape[0],
         BLOCK_H=block_h,
         num_warps=num_warps,
         **pdl_launch_args(x.device),
@@ -87,6 +98,13 @@ def add_rmsnorm_triton(
     return _launch(x, residual, weight, eps)
 
 
+def add_rmsnorm_parts_triton(
+    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    assert parts.dim() == 3 and parts.dtype == torch.float32 and parts.shape[1:] == residual.shape
+    return _launch(parts[0], residual, weight, eps, parts=parts)
+
+
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -98,6 +116,15 @@ def add_rmsnorm_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     new_residual = x + residual
     return rmsnorm_ref(new_residual, weight, eps), new_residual
+
+
+def add_rmsnorm_parts_ref(
+    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    total = parts[0].clone()
+    for part in parts[1:]:  # in split order, as the kernel sums them
+        total += part
+    return add_rmsnorm_ref(total.to(residual.dtype), residual, weight, eps)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,3 +141,12 @@ def add_rmsnorm(
     if x.is_cuda:
         return add_rmsnorm_triton(x, residual, weight, eps)
     return add_rmsnorm_ref(x, residual, weight, eps)
+
+
+def add_rmsnorm_parts(
+    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """parts [S, T, H] fp32, residual [T, H] -> add_rmsnorm(sum of the parts, residual)."""
+    if parts.is_cuda:
+        return add_rmsnorm_parts_triton(parts, residual, weight, eps)
+    return add_rmsnorm_parts_ref(parts, residual, weight, eps)

@@ -3,7 +3,7 @@ from torch import nn
 
 from batchgen.kernels import add_rmsnorm, rmsnorm
 from batchgen.kernels.skinny_gemm import normed_skinny_gemm, uses_tma
-from batchgen.layers.linear import PartialSums
+from batchgen.layers.linear import DeferredSum
 from batchgen.layers.packed_linear import PackableWeight
 
 
@@ -14,27 +14,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | DeferredSum, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: rmsnorm(x). With it: (rmsnorm(x + residual), x + residual). x may be a
-        row-parallel product's PartialSums: one kernel sums them over the ranks, adds and normalises."""
-        if isinstance(x, PartialSums):
-            return x.tp.all_reduce_add_rmsnorm(x.partials, residual, self.weight, self.eps)
+        row-parallel product's DeferredSum (partial sums of ranks, or split-K parts): one kernel sums
+        them, adds and normalises."""
+        if isinstance(x, DeferredSum):
+            return x.add_rmsnorm(residual, self.weight, self.eps)
         if residual is None:
             return rmsnorm(x, self.weight, self.eps)
         return add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 def normed_product(
-    norm: RMSNorm, x: torch.Tensor | PartialSums, residual: torch.Tensor | None, linear: PackableWeight
+    norm: RMSNorm, x: torch.Tensor | DeferredSum, residual: torch.Tensor | None, linear: PackableWeight
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual), or without a residual (linear(norm(x)), x). One
     launch where the product streams its weight with plain loads (one row on a GPU: the skinny kernel
     applies the norm as it reads x); the norm's kernel, then the product, elsewhere (also for a
-    row-parallel product's PartialSums, which the norm sums over the ranks, and a weight read through
+    row-parallel product's DeferredSum, which the norm sums, and a weight read through
     TMA: kernels/skinny_gemm.py says why)."""
     # (the loader gives every weight the model's dtype: the skinny kernel asserts it)
-    if not isinstance(x, PartialSums) and linear.streams(x) and not uses_tma(x, linear.weight):
+    if not isinstance(x, DeferredSum) and linear.streams(x) and not uses_tma(x, linear.weight):
         return normed_skinny_gemm(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
     if residual is None:
         return linear(norm(x)), x

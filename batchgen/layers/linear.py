@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from batchgen.forward.parallel import SINGLE, TensorParallel
+from batchgen.kernels.rmsnorm import add_rmsnorm_parts
 from batchgen.layers.packed_linear import PackableWeight
 
 
@@ -42,9 +43,16 @@ class ColumnParallelLinear(PackableWeight, nn.Module):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matrix (gate and up): each rank holds its slice of each."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TensorParallel = SINGLE):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TensorParallel = SINGLE,
+                 gate_up: bool = False):
+        """gate_up: the two outputs are an MLP's gate and up, and the caller applies silu(gate) * up
+        (the down projection's silu_mul): forward may return that instead of the pair (see matmul)."""
         self.out_sizes = out_sizes
+        self.gate_up = gate_up
         super().__init__(in_features, sum(out_sizes), bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias, silu_mul_out=self.gate_up)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         index = int(shard)
@@ -102,24 +110,49 @@ class RowParallelLinear(PackableWeight, nn.Module):
 
     def forward(
         self, x: torch.Tensor, silu_mul: bool = False, norm_follows: bool = False
-    ) -> torch.Tensor | PartialSums:
-        """silu_mul: x is a gate/up pair, the product takes silu(gate) * up (an MLP's down projection).
+    ) -> torch.Tensor | DeferredSum:
+        """silu_mul: x is an MLP's gate/up output, the pair [T, 2 in] of which the product takes silu(gate)
+        * up, or that already [T, in] (where the gate/up product applied it: MergedColumnParallelLinear).
         norm_follows: the caller's add + RMSNorm takes the output next, so it may get PartialSums,
-        which that norm sums over the ranks in its own kernel (layers/layernorm.normed_product)."""
+        which that norm sums over the ranks in its own kernel (layers/layernorm.normed_product), or on
+        one GPU SplitParts of a split-K product, which it sums the same way."""
         # The sum may come back as the symmetric buffer itself (forward/symmetric_all_reduce.py): it is
         # valid until the next row-parallel product writes there, so it must be consumed before that
         # (as the add + RMSNorm after each of a layer's two products is); keep it past it only as a copy.
         out = self.tp.reduce_buffer(x.shape[0], self.weight.shape[0], x.dtype) if x.dim() == 2 else None
-        y = self.matmul(x, silu_mul=silu_mul, out=out)
+        parts_ok = norm_follows and self.bias is None and self.tp.size == 1
+        y = self.matmul(x, silu_mul=silu_mul and x.shape[-1] == 2 * self.in_per_rank, out=out, parts_ok=parts_ok)
+        if y.dim() == x.dim() + 1:  # split-K parts [S, T, out] (parts_ok): the norm after the product sums them
+            return SplitParts(y)
         if norm_follows and self.bias is None and self.tp.defers_sum(y):
             return PartialSums(y, self.tp)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
+class DeferredSum:
+    """A row-parallel product's output still in parts, which the add + RMSNorm after it sums in its own
+    kernel (see RowParallelLinear, layers/layernorm.py)."""
+
+    def add_rmsnorm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(sum + residual) * weight, sum + residual)."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class PartialSums:
-    """A row-parallel product's output on this rank before the sum over ranks (see RowParallelLinear);
-    the RMSNorm after it sums them (layers/layernorm.py)."""
+class PartialSums(DeferredSum):
+    """This rank's partial sums before the sum over ranks (on the symmetric buffer)."""
     partials: torch.Tensor
     tp: TensorParallel
+
+    def add_rmsnorm(self, residual, weight, eps):
+        return self.tp.all_reduce_add_rmsnorm(self.partials, residual, weight, eps)
+
+
+@dataclass(frozen=True)
+class SplitParts(DeferredSum):
+    """The fp32 parts [S, T, out] of a product whose K the tile kernel split (kernels/tile_gemm.py)."""
+    parts: torch.Tensor
+
+    def add_rmsnorm(self, residual, weight, eps):
+        return add_rmsnorm_parts(self.parts, residual, weight, eps)

@@ -14,7 +14,10 @@ PackableWeight.matmul is every layer's product: packed on CPU, F.linear elsewher
 or one the kernel reads through TMA, which the skinny kernel streams (kernels/skinny_gemm.py: 9-20%
 under cuBLAS's batch-1 products on llama-3.2-1b's qkv, o and down in CUDA graphs on an H200; the down
 projection takes silu(gate) * up as it reads, and layernorm.normed_product gives qkv and gate/up
-their RMSNorm the same way: a kernel less each).
+their RMSNorm the same way: a kernel less each). On Hopper, 2 to 64 rows of an MLP's gate/up, and
+of o and down projections on one GPU, go to the tile kernel (kernels/tile_gemm.py, uses_tile_gemm):
+gate/up with its SiLU-and-mul applied (a kernel less), o and down in split-K parts that the add +
+RMSNorm after them sums.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 from batchgen.kernels import silu_and_mul
 from batchgen.kernels.skinny_gemm import skinny_gemm, uses_tma
+from batchgen.kernels.tile_gemm import tile_gemm, uses_tile_gemm
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -93,12 +97,17 @@ class PackableWeight:
         return streams_weight(x) and (self.weight.numel() <= SKINNY_MAX_WEIGHT or uses_tma(x, self.weight))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, silu_mul_out: bool = False, parts_ok: bool = False) -> torch.Tensor:
         """x [T, in] @ weight^T (+ bias); silu_mul: x is a gate/up pair [T, 2 in] and the product takes
-        silu(gate) * up. out [T, out]: where the GPU's product (no bias) is written; the CPU's packed
-        product returns a new tensor."""
+        silu(gate) * up. silu_mul_out: the weight is an MLP's gate/up and the caller applies silu(gate) *
+        up next: where the tile kernel takes the product it applies it and returns [T, out / 2], else the
+        pair [T, out]. parts_ok: the caller sums split-K parts, which the tile kernel may return instead,
+        fp32 [S, T, out]. out [T, out]: where the GPU's product (no bias) is written, unless it comes
+        in parts; the CPU's packed product returns a new tensor."""
         if self.streams(x):
             return skinny_gemm(x, self.weight, bias, silu_mul, out=out if bias is None else None)
+        if bias is None and self.packed is None and uses_tile_gemm(x, self.weight, silu_mul_out, parts_ok):
+            return tile_gemm(silu_and_mul(x) if silu_mul else x, self.weight, silu_mul_out, parts_ok, out=out)
         if silu_mul:
             x = silu_and_mul(x)
         if self.packed is not None:

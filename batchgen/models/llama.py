@@ -5,7 +5,8 @@ SmolLM2. A layer's dataflow:
        -> norm -> gate/up -> silu*mul -> down (+all-reduce) -> residual
 
 Under tensor parallelism on GPUs with symmetric memory each all-reduce is one kernel with the
-residual add and RMSNorm after it (the products hand on PartialSums).
+residual add and RMSNorm after it (the products hand on PartialSums); on one Hopper GPU the o and
+down projections of 2 to 64 rows hand on split-K parts to theirs the same way (kernels/tile_gemm.py).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from batchgen.forward.parallel import SINGLE, TensorParallel
 from batchgen.layers.attention import Attention
 from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from batchgen.layers.layernorm import RMSNorm, normed_product
-from batchgen.layers.linear import MergedColumnParallelLinear, PartialSums, QKVParallelLinear, RowParallelLinear
+from batchgen.layers.linear import DeferredSum, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from batchgen.layers.packed_linear import PackableWeight
 from batchgen.layers.rotary import RotaryEmbedding
 from batchgen.models.model_config import ModelConfig
@@ -52,12 +53,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """gate/up and down; the layer runs them (its norm goes into gate/up, SiLU-and-mul into down)."""
+    """gate/up and down; the layer runs them (its norm goes into gate/up, SiLU-and-mul into down, or
+    into gate/up's output where the tile kernel takes it: layers/packed_linear.py)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, tp, gate_up=True)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
 
@@ -105,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             hidden, residual = layer(batch.positions, hidden, residual, batch)
         idx = batch.logits_indices  # the final norm only where logits are needed
-        if isinstance(hidden, PartialSums):  # (summed over the ranks with the norm, on every row)
+        if isinstance(hidden, DeferredSum):  # (summed with the norm, on every row)
             return self.norm(hidden, residual)[0][idx]
         hidden, _ = self.norm(hidden[idx], residual[idx])
         return hidden

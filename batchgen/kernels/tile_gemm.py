@@ -1,0 +1,206 @@
+"""Products of a decode step's rows (2 to 64 of them) on Hopper: y = x @ W^T in [BM, BN] output tiles,
+x and W read through TMA descriptors (tl.range keeps STAGES tiles of each in flight in shared memory)
+and multiplied by the tensor cores (tl.dot), accumulated in fp32.
+
+    y = x W^T                                (plain)
+    y = silu(x Wg^T) * (x Wu^T)              (SILU_MUL_OUT: W = [Wg; Wu], an MLP's gate/up; y [M, N/2])
+    parts[s] = x[:, Ks] W[:, Ks]^T           (SPLIT > 1: K in SPLIT slices Ks, fp32; y = sum_s parts[s])
+
+SILU_MUL_OUT keeps two accumulators a program, columns [n0, n0 + BN) of the gate and of the up
+half, so the gate/up pair never goes to memory and no SiLU-and-mul kernel runs; gate and up are
+rounded to x's dtype before the SiLU, as the product and kernels/silu_and_mul.py round them.
+
+SPLIT is for products with few output columns (o and down projections of 2,048): N / BN tiles are
+too few programs to stream W at full speed, SPLIT times as many are enough. The parts are summed by
+the add + RMSNorm that follows such a product anyway (rmsnorm.add_rmsnorm_parts): a kernel that sums
+them here (the last program of a tile to finish, by a counter) cost 2-4 us a product more than the
+split saved, the wait for the other parts at the end of each tile (KERNELS.md, session 17).
+
+Why: at 2-64 rows cuBLAS streams llama-3.2-1b's decode weights at 1.4-3.3 TB/s (o, down, gate/up),
+and its gate/up pair makes a round trip through memory for the SiLU-and-mul kernel. Graph replays on
+an H200, us (KERNELS.md, session 17), cuBLAS against this kernel at 2 / 64 rows: o 6.0 / 6.3 against
+4.1 / 4.7 (parts), down 14.0 / 14.3 against 10.0 / 10.8 (parts), gate/up + SiLU-and-mul 20.1 / 22.2
+against 18.2 / 19.1. A decode step of 8 to 64 rows: llama-3.2-1b 4% faster, qwen2.5-0.5b 3%; at 128
+rows llama's step was no faster (1.95 ms either way), so MAX_ROWS is 64.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.silu_and_mul import silu_and_mul_ref
+from batchgen.kernels.skinny_gemm import TensorDescriptor, tma_ok
+
+MAX_ROWS = 64  # at 128 rows a decode step was no faster than with cuBLAS (KERNELS.md, session 17)
+MIN_PROGRAMS = 64  # a split plain product with fewer programs streams W too slowly (qwen2.5-0.5b's down)
+
+Tile = tuple[int, int, int, int, int, int]  # (BM, BN, BK, stages, warps, SPLIT)
+
+
+@triton.jit(do_not_specialize=["M"])  # (one compile for every row count: no compile inside a job)
+def _tile_gemm_kernel(
+    x_desc,  # [M, K], blocks [BM, BK]
+    w_desc,  # [N, K], blocks [BN, BK]
+    y_ptr,  # [M, N], or [M, N / 2] with SILU_MUL_OUT
+    y_stride_m,
+    part_ptr,  # [SPLIT, M, N] fp32 (SPLIT > 1)
+    M,
+    N_OUT,  # columns of y
+    K_PER_SPLIT,  # a multiple of BK
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    STAGES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SILU_MUL_OUT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    m0 = pid_m * BM
+    n0 = pid_n * BN
+    k_lo = pid_k * K_PER_SPLIT
+    wait_for_prior_kernels(PDL)  # x is the kernel before's output
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_up = tl.zeros([BM, BN], dtype=tl.float32)  # (SILU_MUL_OUT only)
+    for k in tl.range(k_lo, k_lo + K_PER_SPLIT, BK, num_stages=STAGES):
+        a = x_desc.load([m0, k])
+        w = w_desc.load([n0, k])
+        acc = tl.dot(a, w.T, acc)
+        if SILU_MUL_OUT:
+            u = w_desc.load([N_OUT + n0, k])
+            acc_up = tl.dot(a, u.T, acc_up)
+    rows = m0 + tl.arange(0, BM)
+    cols = n0 + tl.arange(0, BN)
+    mask = (rows < M)[:, None] & (cols < N_OUT)[None, :]
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * y_stride_m + cols[None, :]
+    dtype = y_ptr.dtype.element_ty
+    if SILU_MUL_OUT:
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        tl.store(y_ptrs, (gate * tl.sigmoid(gate) * up).to(dtype), mask=mask)
+    elif SPLIT == 1:
+        tl.store(y_ptrs, acc.to(dtype), mask=mask)
+    else:  # this split's fp32 part (the add + RMSNorm after the product sums the parts)
+        part_ptrs = part_ptr + pid_k * M * N_OUT + rows[:, None].to(tl.int64) * N_OUT + cols[None, :]
+        tl.store(part_ptrs, acc, mask=mask)
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    if TensorDescriptor is None or os.environ.get("BATCHGEN_TILE_GEMM", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def tile_gemm_supported(device: torch.device) -> bool:
+    """Whether decode products may take this kernel: a Hopper or later GPU (TMA, wgmma), Triton with
+    host-side descriptors; off with BATCHGEN_TILE_GEMM=0."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pick_tile(m: int, n_out: int, k: int, silu_mul_out: bool, parts_ok: bool = False, sms: int = 132) -> Tile | None:
+    """The tile for m rows (swept for llama-3.2-1b's shapes on an H200: KERNELS.md, session 17), or None
+    where K is not whole BK steps. BM is the fewest of 16, 32, 64, 128 rows that hold m: TMA fills a
+    tile's rows past x with zeros, and a larger tile than the rows need was slower. With parts_ok a
+    plain product splits K in the most parts (4 or 2) that keep the grid within one program an SM."""
+    bm = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
+    bn = 64  # (32 for gate/up at 16 rows: 0.3 us faster for llama-3.2-1b, 14 us slower for llama-3.1-8b)
+    bk, warps = 128, 8 if bm == 128 else 4
+    stages = 3 if silu_mul_out or bm == 128 else 5  # (128 rows: swept, not taken by the engine)
+    if k % bk:
+        return None
+    tiles = triton.cdiv(n_out, bn) * triton.cdiv(m, bm)
+    split = 1
+    if parts_ok and not silu_mul_out:
+        split = next((s for s in (4, 2) if k % (s * bk) == 0 and tiles * s <= sms), 1)
+    return bm, bn, bk, stages, warps, split
+
+
+def uses_tile_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False,
+                   parts_ok: bool = False) -> bool:
+    """Whether a GPU product of x [M, K] with weight [N, K] goes to this kernel: 2 to 64 rows, 16-bit,
+    Hopper, and where it beat cuBLAS on an H200 (KERNELS.md, session 17): an MLP's gate/up with its
+    SiLU-and-mul (silu_mul_out); products with N <= K (o, down) whose caller sums split-K parts
+    (parts_ok) and whose grid then has at least MIN_PROGRAMS programs. Not qkv or LM heads (N > K); not a
+    gate/up whose programs would take more than one wave of the GPU's SMs."""
+    m = x.shape[0]
+    n, k = weight.shape
+    if not (x.dim() == 2 and 2 <= m <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype == x.dtype and tile_gemm_supported(x.device) and tma_ok(x) and tma_ok(weight)):
+        return False
+    if not silu_mul_out and not (parts_ok and n <= k):
+        return False
+    n_out = n // 2 if silu_mul_out else n
+    sms = _sm_count(x.device)
+    tile = pick_tile(m, n_out, k, silu_mul_out, parts_ok, sms)
+    if tile is None:
+        return False
+    bm, bn, _, _, _, split = tile
+    programs = triton.cdiv(n_out, bn) * triton.cdiv(m, bm) * split
+    # gate/up in one wave of programs: llama-3.1-8b's (224 programs) took 63-84 us against cuBLAS's 58-61
+    return programs <= sms if silu_mul_out else programs >= MIN_PROGRAMS
+
+
+@functools.cache
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # (an H200's: the CPU tests of the choice)
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def tile_gemm_triton(
+    x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False, parts_ok: bool = False,
+    tile: Tile | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] (into out when given), or with silu_mul_out silu(x Wg^T) *
+    (x Wu^T) -> [M, N / 2] (weight = [Wg; Wu]), or where the tile splits K (parts_ok) the fp32 parts
+    [SPLIT, M, N] whose sum is the product. tile: pick_tile's unless given."""
+    m, k = x.shape
+    n = weight.shape[0]
+    n_out = n // 2 if silu_mul_out else n
+    assert 0 < m and weight.shape[1] == k and x.dtype == weight.dtype
+    assert x.dtype in (torch.float16, torch.bfloat16), "16-bit only: the dots run in their default precision"
+    assert tma_ok(x) and tma_ok(weight), "TMA needs 16-byte aligned, row-contiguous x and W"
+    assert not silu_mul_out or n % 2 == 0
+    bm, bn, bk, stages, warps, split = tile or pick_tile(m, n_out, k, silu_mul_out, parts_ok)
+    assert k % (split * bk) == 0 and (split == 1 or not silu_mul_out)
+    if split > 1:
+        y = parts = torch.empty((split, m, n_out), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty((m, n_out), dtype=x.dtype, device=x.device) if out is None else out
+        assert y.shape == (m, n_out) and y.stride(1) == 1 and y.dtype == x.dtype
+        parts = y  # (unused)
+    _tile_gemm_kernel[(triton.cdiv(n_out, bn), triton.cdiv(m, bm), split)](
+        TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]), y, y.stride(-2),
+        parts, m, n_out, k // split, BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
+        SILU_MUL_OUT=silu_mul_out, num_warps=warps, num_stages=stages, **pdl_launch_args(x.device),
+    )
+    return y
+
+
+def tile_gemm_ref(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False) -> torch.Tensor:
+    """fp32 products rounded to x's dtype; with silu_mul_out, silu_and_mul of the rounded gate/up pair."""
+    y = (x.float() @ weight.float().t()).to(x.dtype)
+    return silu_and_mul_ref(y) if silu_mul_out else y
+
+
+def tile_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False, parts_ok: bool = False,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """tile_gemm_triton on a GPU; on CPU the reference (never parts)."""
+    if x.is_cuda:
+        return tile_gemm_triton(x, weight, silu_mul_out, parts_ok, out=out)
+    y = tile_gemm_ref(x, weight, silu_mul_out)
+    return y if out is None else out.copy_(y)
