@@ -17,7 +17,9 @@ benchmarks/KERNELS.md). "unified" times unified attention (one launch for a mixe
 decode + prefill launches of the same step; "rope_store" the fused rope + KV store against the two
 ops. The issue #11 run: --only unified,rope_store --sweep --budget-s 100 (about 2 minutes).
 "gemm" times the model's products (cuBLAS through F.linear, cuBLASLt, and at one row the skinny kernel
-with and without its SiLU-and-mul, with plain loads and, on Hopper, through TMA) at decode batch sizes as a
+with and without its SiLU-and-mul, with plain loads and, on Hopper, through TMA; at 2 to 64 rows on Hopper
+the tile kernel: o and down as split-K parts, gate/up also with its SiLU-and-mul against cuBLAS + the
+SiLU-and-mul kernel) at decode batch sizes as a
 CUDA graph replays them: 16 distinct weights a replay (as 16 layers: nothing stays in L2), no host
 launch cost (do_bench of one small product measures Python's launch, not the GPU).
 """
@@ -52,6 +54,7 @@ from batchgen.kernels.rotary import apply_rotary_ref, apply_rotary_triton
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 from batchgen.kernels.skinny_gemm import default_tile, skinny_gemm_triton, tma_ok, tma_supported, tma_tile
 from batchgen.kernels.store_kv import store_kv_ref, store_kv_triton
+from batchgen.kernels.tile_gemm import MAX_ROWS as TILE_MAX_ROWS, pick_tile, tile_gemm_supported, tile_gemm_triton
 
 MODELS = {
     "llama-3.2-1b": dict(hidden=2048, inter=8192, q_heads=32, kv_heads=8, head_dim=64, vocab=128256),
@@ -486,7 +489,7 @@ def print_issue11_table():
 
 # ---------------------------------------------------------------- products (cuBLAS)
 
-GEMM_BATCHES = [1, 16, 64, 128, 144, 192, 208, 224, 256]
+GEMM_BATCHES = [1, 2, 16, 64, 128, 144, 192, 208, 224, 256]
 PEAK_BF16_FLOPS = 790e12  # an H200's bf16 product on random data (the device tool's KINDS.md)
 
 
@@ -511,9 +514,14 @@ def bench_gemm(model, cfg, copy_bw):
                     impls["skinny"] = lambda: [skinny_gemm_triton(x, w, tile=default_tile(n, k)) for w in ws]
                     if tma_supported(x.device) and tma_ok(ws[0]):
                         impls["skinny_tma"] = lambda: [skinny_gemm_triton(x, w, tile=tma_tile(n, k)) for w in ws]
+                elif m <= TILE_MAX_ROWS and tile_gemm_supported(x.device) and pick_tile(m, n, k, False) is not None:
+                    # (kernels/tile_gemm.py; N <= K products as the engine runs them: split-K parts)
+                    impls["tile"] = lambda: [tile_gemm_triton(x, w, parts_ok=n <= k) for w in ws]
+                    if name == "gate_up":
+                        impls["cublas+silu"] = lambda: [silu_and_mul_triton(F.linear(x, w)) for w in ws]
+                        impls["tile_silu"] = lambda: [tile_gemm_triton(x, w, silu_mul_out=True) for w in ws]
                 for impl, fn in impls.items():
-                    if impl in ("cublas", "cublaslt"):
-                        torch.backends.cuda.preferred_blas_library(impl)
+                    torch.backends.cuda.preferred_blas_library("cublaslt" if impl == "cublaslt" else "cublas")
                     us = replay_us(fn)
                     emit(kind="gemm", model=model, shape=f"{name} M={m}", impl=impl, us=round(us, 2),
                          floor_us=round(floor_us, 2), gbps=round(n * k * ELEM / us / 1e3, 1))
@@ -524,7 +532,7 @@ def bench_gemm(model, cfg, copy_bw):
                 impls = {"silu+cublas": lambda: [F.linear(silu_and_mul_triton(gate_up), w) for w in ws],
                          "skinny_silu": lambda: [skinny_gemm_triton(gate_up, w, silu_mul=True, tile=plain) for w in ws]}
                 if tma_supported(gate_up.device) and tma_ok(ws[0]):
-                    impls["skinny_tma_silu"] = lambda: [skinny_gemm_triton(gate_up, w, True, tile=tma) for w in ws]
+                    impls["skinny_tma_silu"] = lambda: [skinny_gemm_triton(gate_up, w, silu_mul=True, tile=tma) for w in ws]
                 for impl, fn in impls.items():
                     emit(kind="gemm", model=model, shape="down+silu M=1", impl=impl, us=round(replay_us(fn), 2))
             del ws
