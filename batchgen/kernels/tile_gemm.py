@@ -42,7 +42,7 @@ MIN_PROGRAMS = 64  # a split plain product with fewer programs streams W too slo
 Tile = tuple[int, int, int, int, int, int]  # (BM, BN, BK, stages, warps, SPLIT)
 
 
-@triton.jit(do_not_specialize=["M"])  # (one compile for every row count: no compile inside a job)
+@triton.jit(do_not_specialize=["M"])  # (one compile per tile height, not per row count: none inside a job)
 def _tile_gemm_kernel(
     x_desc,  # [M, K], blocks [BM, BK]
     w_desc,  # [N, K], blocks [BN, BK]
@@ -88,7 +88,7 @@ def _tile_gemm_kernel(
     elif SPLIT == 1:
         tl.store(y_ptrs, acc.to(dtype), mask=mask)
     else:  # this split's fp32 part (the add + RMSNorm after the product sums the parts)
-        part_ptrs = part_ptr + pid_k * M * N_OUT + rows[:, None].to(tl.int64) * N_OUT + cols[None, :]
+        part_ptrs = part_ptr + pid_k.to(tl.int64) * M * N_OUT + rows[:, None].to(tl.int64) * N_OUT + cols[None, :]
         tl.store(part_ptrs, acc, mask=mask)
 
 
@@ -96,12 +96,14 @@ def _tile_gemm_kernel(
 def _supported(device_index: int) -> bool:
     if TensorDescriptor is None or os.environ.get("BATCHGEN_TILE_GEMM", "1") == "0":
         return False
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    # Hopper and datacenter Blackwell: the tiles' stages take up to ~110 KB of shared memory, more than
+    # consumer parts (sm_120, ~99 KB) give a program
+    return torch.cuda.get_device_capability(device_index)[0] in (9, 10)
 
 
 def tile_gemm_supported(device: torch.device) -> bool:
-    """Whether decode products may take this kernel: a Hopper or later GPU (TMA, wgmma), Triton with
-    host-side descriptors; off with BATCHGEN_TILE_GEMM=0."""
+    """Whether decode products may take this kernel: a Hopper or datacenter Blackwell GPU (TMA, shared
+    memory for the tiles' stages), Triton with host-side descriptors; off with BATCHGEN_TILE_GEMM=0."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
@@ -167,7 +169,7 @@ def tile_gemm_triton(
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] (into out when given), or with silu_mul_out silu(x Wg^T) *
     (x Wu^T) -> [M, N / 2] (weight = [Wg; Wu]), or where the tile splits K (parts_ok) the fp32 parts
-    [SPLIT, M, N] whose sum is the product. tile: pick_tile's unless given."""
+    [SPLIT, M, N] whose sum is the product (out is then unused). tile: pick_tile's unless given."""
     m, k = x.shape
     n = weight.shape[0]
     n_out = n // 2 if silu_mul_out else n
@@ -175,7 +177,7 @@ def tile_gemm_triton(
     assert x.dtype in (torch.float16, torch.bfloat16), "16-bit only: the dots run in their default precision"
     assert tma_ok(x) and tma_ok(weight), "TMA needs 16-byte aligned, row-contiguous x and W"
     assert not silu_mul_out or n % 2 == 0
-    bm, bn, bk, stages, warps, split = tile or pick_tile(m, n_out, k, silu_mul_out, parts_ok)
+    bm, bn, bk, stages, warps, split = tile or pick_tile(m, n_out, k, silu_mul_out, parts_ok, _sm_count(x.device))
     assert k % (split * bk) == 0 and (split == 1 or not silu_mul_out)
     if split > 1:
         y = parts = torch.empty((split, m, n_out), dtype=torch.float32, device=x.device)

@@ -155,4 +155,5 @@ class SplitParts(DeferredSum):
     parts: torch.Tensor
 
     def add_rmsnorm(self, residual, weight, eps):
+        assert residual is not None, "split-K parts are summed by an add + RMSNorm: it needs the residual"
         return add_rmsnorm_parts(self.parts, residual, weight, eps)

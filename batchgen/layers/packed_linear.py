@@ -15,7 +15,7 @@ or one the kernel reads through TMA, which the skinny kernel streams (kernels/sk
 under cuBLAS's batch-1 products on llama-3.2-1b's qkv, o and down in CUDA graphs on an H200; the down
 projection takes silu(gate) * up as it reads, and layernorm.normed_product gives qkv and gate/up
 their RMSNorm the same way: a kernel less each). On Hopper, 2 to 64 rows of an MLP's gate/up, and
-of o and down projections on one GPU, go to the tile kernel (kernels/tile_gemm.py, uses_tile_gemm):
+of o and down projections on one GPU, go to the tile kernel where kernels/tile_gemm.uses_tile_gemm takes them:
 gate/up with its SiLU-and-mul applied (a kernel less), o and down in split-K parts that the add +
 RMSNorm after them sums.
 """

@@ -10,7 +10,8 @@ from batchgen.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 DTYPES = [torch.float16, torch.bfloat16]
 # (M, N, K, tile (BM, BN, BK, stages, warps, SPLIT)): rows past BM, N past BN, K split in 2 and 4, a
-# 16-row tile; on the GPU llama-3.2-1b's o and down at the engine's tiles (None: pick_tile's, parts).
+# 16-row tile; on the GPU llama-3.2-1b's o and down at pick_tile's tiles (None; parts), the engine's at
+# up to 64 rows and the swept 128-row tiles above that.
 CASES = [(3, 96, 128, (64, 32, 64, 2, 4, 1)), (70, 80, 256, (64, 32, 64, 2, 4, 2)),
          (17, 64, 512, (16, 32, 64, 3, 4, 4))] + [
     pytest.param(m, n, k, None, marks=pytest.mark.gpu)
@@ -39,7 +40,9 @@ def test_tile_gemm(device, assert_close, dtype, m, n, k, tile):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,inter,k,tile", [(5, 64, 128, (64, 32, 64, 2, 4, 1)), (40, 48, 64, (32, 16, 64, 1, 4, 1))] + [
+# (M, I, K, tile): I a multiple of BN, and not (the last tile's gate columns past I, masked)
+@pytest.mark.parametrize("m,inter,k,tile", [(5, 64, 128, (64, 32, 64, 2, 4, 1)), (40, 48, 64, (32, 16, 64, 1, 4, 1)),
+                                            (5, 40, 128, (64, 16, 64, 2, 4, 1))] + [
     pytest.param(m, 8192, 2048, None, marks=pytest.mark.gpu) for m in (2, 30, 64, 128)])
 def test_tile_gemm_silu_mul_out(device, assert_close, dtype, m, inter, k, tile):
     """An MLP's gate/up [2I, K]: the product gives silu(gate) * up [M, I], gate and up each rounded
@@ -79,7 +82,7 @@ def test_choice(monkeypatch):
     gate_up, o, qkv = torch.empty(16384, 2048, **bf16), torch.empty(2048, 2048, **bf16), torch.empty(3072, 2048, **bf16)
     assert [uses_tile_gemm(rows[m], gate_up, silu_mul_out=True) for m in (1, 2, 64, 65)] == [False, True, True, False]
     assert [uses_tile_gemm(rows[m], o, parts_ok=True) for m in (2, 64, 65)] == [True, True, False]
-    assert not uses_tile_gemm(rows[2], o)  # unsplit, o has too few tiles
+    assert not uses_tile_gemm(rows[2], o)  # the caller cannot sum parts: only gate/up goes unsplit
     assert uses_tile_gemm(torch.empty(64, 8192, **bf16), torch.empty(2048, 8192, **bf16), parts_ok=True)  # down
     assert not uses_tile_gemm(torch.empty(64, 4864, **bf16), torch.empty(896, 4864, **bf16), parts_ok=True)  # 28 programs
     assert not uses_tile_gemm(rows[64], qkv, parts_ok=True)
@@ -93,17 +96,19 @@ def test_choice(monkeypatch):
     assert not tile_gemm_module.tile_gemm_supported(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_mlp_through_the_tile_kernel(monkeypatch, fused):
+@pytest.mark.parametrize("gate_up_tiled,down_tiled", [(False, False), (True, True), (False, True), (True, False)])
+def test_mlp_through_the_tile_kernel(monkeypatch, gate_up_tiled, down_tiled):
     """gate/up (gate_up=True) hands down either the pair or silu(gate) * up, where its product applies
     it; down takes either, and hands its norm split-K parts where the product gives them: the MLP's
-    output after the add + RMSNorm is the same."""
+    output after the add + RMSNorm is the same, whichever of the two products the tile kernel takes
+    (llama-3.1-8b's gate/up stays with cuBLAS while its down takes the kernel)."""
     def tile_gemm(x, weight, silu_mul_out=False, parts_ok=False, out=None):  # parts in two halves of K
         if silu_mul_out:
             return tile_gemm_module.tile_gemm_ref(x, weight, True)
         half = x.shape[1] // 2
         return torch.stack([x[:, :half] @ weight[:, :half].t(), x[:, half:] @ weight[:, half:].t()])
-    monkeypatch.setattr(packed_linear, "uses_tile_gemm", lambda x, weight, silu_mul_out=False, parts_ok=False: fused)
+    monkeypatch.setattr(packed_linear, "uses_tile_gemm",
+                        lambda x, weight, silu_mul_out=False, parts_ok=False: gate_up_tiled if silu_mul_out else down_tiled)
     monkeypatch.setattr(packed_linear, "tile_gemm", tile_gemm)
     torch.manual_seed(2)
     gate_up = MergedColumnParallelLinear(32, [48, 48], bias=False, gate_up=True)
@@ -113,9 +118,9 @@ def test_mlp_through_the_tile_kernel(monkeypatch, fused):
         p.data.normal_(std=0.2)
     x, residual = torch.randn(3, 32), torch.randn(3, 32)
     mid = gate_up(x)
-    assert mid.shape == ((3, 48) if fused else (3, 96))
+    assert mid.shape == ((3, 48) if gate_up_tiled else (3, 96))
     y = down(mid, silu_mul=True, norm_follows=True)
-    assert isinstance(y, SplitParts) == fused
+    assert isinstance(y, SplitParts) == down_tiled
     pair = x @ gate_up.weight.t()
     want = (torch.nn.functional.silu(pair[:, :48]) * pair[:, 48:]) @ down.weight.t()
     for got, expected in zip(norm(y, residual), norm(want, residual)):
