@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.rmsnorm import add_rmsnorm_ref
+from batchgen.kernels.rmsnorm import add_rmsnorm_parts_ref
 
 
 @triton.jit
@@ -131,7 +131,4 @@ def all_reduce_add_rmsnorm_ref(
     partials: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (y, x) for every row, as every rank should see them (rank order sum, rounded once)."""
-    total = partials[0].float()
-    for p in partials[1:]:
-        total = total + p.float()
-    return add_rmsnorm_ref(total.to(residual.dtype), residual, weight, eps)
+    return add_rmsnorm_parts_ref(partials, residual, weight, eps)

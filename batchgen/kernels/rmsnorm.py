@@ -119,11 +119,13 @@ def add_rmsnorm_ref(
 
 
 def add_rmsnorm_parts_ref(
-    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    parts: torch.Tensor | list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    total = parts[0].clone()
-    for part in parts[1:]:  # in split order, as the kernel sums them
-        total += part
+    """add_rmsnorm of the parts' fp32 sum in their order (as the kernels sum them), rounded once to the
+    residual's dtype: split-K parts here, ranks' partial sums in kernels/all_reduce_rmsnorm.py."""
+    total = parts[0].float()
+    for part in parts[1:]:
+        total = total + part.float()
     return add_rmsnorm_ref(total.to(residual.dtype), residual, weight, eps)
 
 

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.decode_attention import num_sms
 from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref
 from batchgen.kernels.skinny_gemm import TensorDescriptor, tma_ok
@@ -129,7 +130,13 @@ def pick_tile(m: int, n_out: int, k: int, silu_mul_out: bool, parts_ok: bool = F
 
 def uses_tile_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False,
                    parts_ok: bool = False) -> bool:
-    """Whether a GPU product of x [M, K] with weight [N, K] goes to this kernel: 2 to 64 rows, 16-bit,
+    """Whether a GPU product of x with weight goes to this kernel (tile_for's docstring)."""
+    return tile_for(x, weight, silu_mul_out, parts_ok) is not None
+
+
+def tile_for(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False,
+             parts_ok: bool = False) -> Tile | None:
+    """The tile of a GPU product of x [M, K] with weight [N, K] where it goes to this kernel (else None): 2 to 64 rows, 16-bit,
     Hopper, and where it beat cuBLAS on an H200 (KERNELS.md, session 17): an MLP's gate/up with its
     SiLU-and-mul (silu_mul_out); products with N <= K (o, down) whose caller sums split-K parts
     (parts_ok) and whose grid then has at least MIN_PROGRAMS programs. Not qkv or LM heads (N > K); not a
@@ -138,29 +145,22 @@ def uses_tile_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = F
     n, k = weight.shape
     if not (x.dim() == 2 and 2 <= m <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16)
             and weight.dtype == x.dtype and tile_gemm_supported(x.device) and tma_ok(x) and tma_ok(weight)):
-        return False
+        return None
     if not silu_mul_out and not (parts_ok and n <= k):
-        return False
+        return None
     n_out = n // 2 if silu_mul_out else n
     sms = _sm_count(x.device)
     tile = pick_tile(m, n_out, k, silu_mul_out, parts_ok, sms)
     if tile is None:
-        return False
+        return None
     bm, bn, _, _, _, split = tile
     programs = triton.cdiv(n_out, bn) * triton.cdiv(m, bm) * split
     # gate/up in one wave of programs: llama-3.1-8b's (224 programs) took 63-84 us against cuBLAS's 58-61
-    return programs <= sms if silu_mul_out else programs >= MIN_PROGRAMS
-
-
-@functools.cache
-def _sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return tile if (programs <= sms if silu_mul_out else programs >= MIN_PROGRAMS) else None
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # (an H200's: the CPU tests of the choice)
-    return _sms(device.index if device.index is not None else torch.cuda.current_device())
+    return num_sms(device) if device.type == "cuda" else 132  # (an H200's: the CPU tests of the choice)
 
 
 def tile_gemm_triton(
@@ -200,9 +200,9 @@ def tile_gemm_ref(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = Fa
 
 
 def tile_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False, parts_ok: bool = False,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              tile: Tile | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """tile_gemm_triton on a GPU; on CPU the reference (never parts)."""
     if x.is_cuda:
-        return tile_gemm_triton(x, weight, silu_mul_out, parts_ok, out=out)
+        return tile_gemm_triton(x, weight, silu_mul_out, parts_ok, tile, out)
     y = tile_gemm_ref(x, weight, silu_mul_out)
     return y if out is None else out.copy_(y)

@@ -15,7 +15,7 @@ or one the kernel reads through TMA, which the skinny kernel streams (kernels/sk
 under cuBLAS's batch-1 products on llama-3.2-1b's qkv, o and down in CUDA graphs on an H200; the down
 projection takes silu(gate) * up as it reads, and layernorm.normed_product gives qkv and gate/up
 their RMSNorm the same way: a kernel less each). On Hopper, 2 to 64 rows of an MLP's gate/up, and
-of o and down projections on one GPU, go to the tile kernel where kernels/tile_gemm.uses_tile_gemm takes them:
+of o and down projections on one GPU, go to the tile kernel where kernels/tile_gemm.tile_for takes them:
 gate/up with its SiLU-and-mul applied (a kernel less), o and down in split-K parts that the add +
 RMSNorm after them sums.
 """
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from batchgen.kernels import silu_and_mul
 from batchgen.kernels.skinny_gemm import skinny_gemm, uses_tma
-from batchgen.kernels.tile_gemm import tile_gemm, uses_tile_gemm
+from batchgen.kernels.tile_gemm import tile_for, tile_gemm
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -106,8 +106,9 @@ class PackableWeight:
         in parts; the CPU's packed product returns a new tensor."""
         if self.streams(x):
             return skinny_gemm(x, self.weight, bias, silu_mul, out=out if bias is None else None)
-        if bias is None and self.packed is None and uses_tile_gemm(x, self.weight, silu_mul_out, parts_ok):
-            return tile_gemm(silu_and_mul(x) if silu_mul else x, self.weight, silu_mul_out, parts_ok, out=out)
+        tile = tile_for(x, self.weight, silu_mul_out, parts_ok) if bias is None and self.packed is None else None
+        if tile is not None:
+            return tile_gemm(silu_and_mul(x) if silu_mul else x, self.weight, silu_mul_out, parts_ok, tile, out)
         if silu_mul:
             x = silu_and_mul(x)
         if self.packed is not None:

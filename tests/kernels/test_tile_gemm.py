@@ -102,13 +102,14 @@ def test_mlp_through_the_tile_kernel(monkeypatch, gate_up_tiled, down_tiled):
     it; down takes either, and hands its norm split-K parts where the product gives them: the MLP's
     output after the add + RMSNorm is the same, whichever of the two products the tile kernel takes
     (llama-3.1-8b's gate/up stays with cuBLAS while its down takes the kernel)."""
-    def tile_gemm(x, weight, silu_mul_out=False, parts_ok=False, out=None):  # parts in two halves of K
+    def tile_gemm(x, weight, silu_mul_out=False, parts_ok=False, tile=None, out=None):  # parts in two halves of K
         if silu_mul_out:
             return tile_gemm_module.tile_gemm_ref(x, weight, True)
         half = x.shape[1] // 2
         return torch.stack([x[:, :half] @ weight[:, :half].t(), x[:, half:] @ weight[:, half:].t()])
-    monkeypatch.setattr(packed_linear, "uses_tile_gemm",
-                        lambda x, weight, silu_mul_out=False, parts_ok=False: gate_up_tiled if silu_mul_out else down_tiled)
+    some_tile = (16, 64, 128, 3, 4, 2)  # (the fake product above ignores it)
+    monkeypatch.setattr(packed_linear, "tile_for", lambda x, weight, silu_mul_out=False, parts_ok=False:
+                        some_tile if (gate_up_tiled if silu_mul_out else down_tiled) else None)
     monkeypatch.setattr(packed_linear, "tile_gemm", tile_gemm)
     torch.manual_seed(2)
     gate_up = MergedColumnParallelLinear(32, [48, 48], bias=False, gate_up=True)
