@@ -1,8 +1,10 @@
 """Start-up work on a GPU that would otherwise land inside a job's timing: Triton compiles a kernel
 the first time it meets each specialization (integer arguments are specialized on being 1 or a
-multiple of 16), and the first job on a fresh machine paid seconds of compilation per kernel. Here
-every kernel the engine launches eagerly runs once on synthetic steps, before the CUDA graphs are
-captured (the captures' own warm-up forwards compile what the graphs hold)."""
+multiple of 16, pointers on 16-byte alignment), and the first job on a fresh machine paid seconds of
+compilation per kernel. Here every kernel the engine launches eagerly runs once on synthetic steps,
+before the CUDA graphs are captured (the captures' own warm-up forwards compile what the graphs
+hold). The synthetic steps' arrays are aligned and a job's are views at any offset: the kernels do
+not specialize those (kernels/__init__.py)."""
 from __future__ import annotations
 
 import logging
@@ -11,10 +13,12 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 from batchgen.engine.kv_cache import KVCache
 from batchgen.forward.batch import ForwardBatch
 from batchgen.kernels.gumbel_argmax import gumbel_max
+from batchgen.kernels.token_bitmask import apply_token_bitmask
 from batchgen.layers.sampler import SamplingBatch, sample
 
 log = logging.getLogger("batchgen")
@@ -84,6 +88,9 @@ def warm_sampling(logits: torch.Tensor) -> None:
     sample(logits, SamplingBatch(None, None, None, None, None, True, False))
     gumbel_max(logits, torch.full((num_rows,), 0.7, **dev), torch.arange(num_rows, **dev),
                torch.zeros(num_rows, dtype=torch.int64, **dev), 0)  # (a shard's: engine/shard_sampling.py)
+    # constrained rows' mask (every token allowed: the logits stay as they are)
+    words = triton.cdiv(logits.shape[1], 32)
+    apply_token_bitmask(logits, torch.full((1, words), -1, dtype=torch.int32, **dev), torch.zeros(1, dtype=torch.int64, **dev))
 
 
 def warm_up(runner) -> None:
@@ -93,8 +100,10 @@ def warm_up(runner) -> None:
     log.info("compiling kernels (first run on this machine)..." if fresh else "warming up kernels...")
     start = time.perf_counter()
     kv, dev = runner.kv, runner.device
-    # token counts 1, 2 (odd), 17 (odd), 64 (a multiple of 16); decode-only, prefill-only and mixed
-    steps = [([5], []), ([5, 9], []), ([], [(17, 17)]), ([7, 3], [(15, 40)]), ([8] * 16, [(48, 48)])]
+    # token counts 1, 2 (odd), 17 (odd), 64 (a multiple of 16); decode-only, prefill-only and mixed;
+    # decode contexts of one block of keys (one split: written straight out) and of several (merged)
+    long = min(160, kv.req_to_token.shape[1])
+    steps = [([5], []), ([5, 9], []), ([long, 9], []), ([], [(17, 17)]), ([7, 3], [(15, 40)]), ([8] * 16, [(48, 48)])]
     with torch.inference_mode():
         for decode_lens, chunks in steps:
             fb = synthetic_batch(kv, dev, decode_lens, chunks)

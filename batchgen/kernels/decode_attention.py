@@ -31,7 +31,8 @@ from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.store_kv import query_for_kv_dot
 
 
-@triton.jit
+# num_splits follows the batch and its lengths, index arrays are views: neither specialized (kernels/__init__.py)
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["req_rows_ptr", "kv_lens_ptr"])
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D] (may be a slice of the fused qkv output)
     q_stride_b,  # elements between two sequences of q
@@ -119,7 +120,7 @@ def _decode_split_kernel(
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None], mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["kv_lens_ptr"])
 def _decode_merge_kernel(
     part_o_ptr,  # [B, Hq, C, D] fp32 o_c of each split (contiguous)
     part_lse_ptr,  # [B, Hq, C] fp32 lse_c of each split (contiguous)

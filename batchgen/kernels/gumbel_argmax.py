@@ -70,8 +70,9 @@ def _gumbel_noise(bits):
 
 
 # The part count and size change with the number of rows: not specialized (a value divisible by 16,
-# or 1, would be another compile in the middle of a job).
-@triton.jit(do_not_specialize=["part_size", "num_parts", "token_offset"])
+# or 1, would be another compile in the middle of a job); nor the rows' parameters on alignment (kernels/__init__.py).
+@triton.jit(do_not_specialize=["part_size", "num_parts", "token_offset"],
+            do_not_specialize_on_alignment=["temperatures_ptr", "seeds_ptr", "steps_ptr"])
 def _gumbel_argmax_parts_kernel(
     logits_ptr,  # [S, V] fp32
     logits_stride,  # elements between two rows of logits

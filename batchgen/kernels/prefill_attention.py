@@ -67,7 +67,8 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
-@triton.jit
+# index arrays not specialized on alignment (kernels/__init__.py)
+@triton.jit(do_not_specialize_on_alignment=["req_rows_ptr", "q_start_ptr", "q_lens_ptr", "kv_lens_ptr"])
 def _prefill_attention_kernel(
     q_ptr,  # [T, Hq, D] packed queries (may be a slice of the fused qkv output)
     q_stride_t,  # elements between two tokens of q

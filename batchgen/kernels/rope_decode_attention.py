@@ -67,7 +67,9 @@ def _rotate(x1, x2, cos, sin, dtype):
 
 
 # num_splits follows max_kv_len in eager steps: not specialized (one compile for every length)
-@triton.jit(do_not_specialize=["qk_scale", "num_splits"])
+# index arrays not specialized on alignment (kernels/__init__.py)
+@triton.jit(do_not_specialize=["qk_scale", "num_splits"],
+            do_not_specialize_on_alignment=["rows_ptr", "kv_lens_ptr", "positions_ptr", "out_slots_ptr"])
 def _rope_decode_attention_kernel(
     q_ptr,  # [B, Hq, D] before rope, read only
     q_stride_b,  # elements between two sequences of q

@@ -17,7 +17,8 @@ from batchgen.kernels.rotary import _rotate_heads, apply_rotary_cpu, apply_rotar
 from batchgen.kernels.store_kv import store_kv_ref, to_cache_dtype
 
 
-@triton.jit
+# index arrays not specialized on alignment (kernels/__init__.py)
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "out_slots_ptr"])
 def _rope_store_kv_kernel(
     q_ptr,  # [T, Hq, D], rotated in place (may be a slice of the fused qkv output)
     q_stride_t,  # elements between two tokens of q

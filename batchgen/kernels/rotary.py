@@ -32,7 +32,8 @@ def _rotate_heads(
     tl.store(ptr1 + half_dim, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
 
 
-@triton.jit
+# index arrays not specialized on alignment (kernels/__init__.py)
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
 def _rotary_kernel(
     q_ptr,  # [T, Hq, D], rotated in place
     q_stride_t,  # elements between two tokens of q (Hq * D, or more for a slice of a fused qkv)

@@ -39,7 +39,8 @@ def cast_for_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     return x.to(cache_dtype)
 
 
-@triton.jit
+# index arrays not specialized on alignment (kernels/__init__.py)
+@triton.jit(do_not_specialize_on_alignment=["out_slots_ptr"])
 def _store_kv_kernel(
     k_ptr,  # [T, Hk, D] new keys (may be a slice of the fused qkv output)
     k_stride_t,  # elements between two tokens of k

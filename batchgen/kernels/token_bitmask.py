@@ -11,7 +11,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# W follows the tokenizer (the warm-up's bitmask has the model's), rows are an index array: neither is
+# specialized (kernels/__init__.py)
+@triton.jit(do_not_specialize=["bitmask_stride_c", "words"], do_not_specialize_on_alignment=["bitmask_ptr", "rows_ptr"])
 def _token_bitmask_kernel(
     logits_ptr,  # [S, V] fp32
     logits_stride_s,  # elements between two rows of logits

@@ -103,7 +103,9 @@ def _attend_query_block(
     )
 
 
-@triton.jit(do_not_specialize=["num_seqs", "search_steps"])  # one compile for every batch size
+# One compile for every batch size; index arrays not specialized on alignment (kernels/__init__.py).
+@triton.jit(do_not_specialize=["num_seqs", "search_steps"],
+            do_not_specialize_on_alignment=["seq_rows_ptr", "q_start_ptr", "kv_lens_ptr"])
 def _unified_attention_kernel(
     q_ptr,  # [T, Hq, D] packed queries (may be a slice of the fused qkv output)
     q_stride_t,  # elements between two tokens of q
