@@ -89,8 +89,8 @@ def warm_sampling(logits: torch.Tensor) -> None:
     gumbel_max(logits, torch.full((num_rows,), 0.7, **dev), torch.arange(num_rows, **dev),
                torch.zeros(num_rows, dtype=torch.int64, **dev), 0)  # (a shard's: engine/shard_sampling.py)
     # constrained rows' mask (every token allowed: the logits stay as they are)
-    words = triton.cdiv(logits.shape[1], 32)
-    apply_token_bitmask(logits, torch.full((1, words), -1, dtype=torch.int32, **dev), torch.zeros(1, dtype=torch.int64, **dev))
+    allow_all = torch.full((1, triton.cdiv(logits.shape[1], 32)), -1, dtype=torch.int32, **dev)
+    apply_token_bitmask(logits, allow_all, torch.zeros(1, dtype=torch.int64, **dev))
 
 
 def warm_up(runner) -> None:
