@@ -97,6 +97,8 @@ def _tile_gemm_kernel(
 def _supported(device_index: int) -> bool:
     if TensorDescriptor is None or os.environ.get("BATCHGEN_TILE_GEMM", "1") == "0":
         return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
     # Hopper and datacenter Blackwell: the tiles' stages take up to ~110 KB of shared memory, more than
     # consumer parts (sm_120, ~99 KB) give a program
     return torch.cuda.get_device_capability(device_index)[0] in (9, 10)
@@ -105,9 +107,8 @@ def _supported(device_index: int) -> bool:
 def tile_gemm_supported(device: torch.device) -> bool:
     """Whether decode products may take this kernel: a Hopper or datacenter Blackwell GPU (TMA, shared
     memory for the tiles' stages), Triton with host-side descriptors; off with BATCHGEN_TILE_GEMM=0."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+    return device.type == "cuda" and _supported(
+        device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pick_tile(m: int, n_out: int, k: int, silu_mul_out: bool, parts_ok: bool = False, sms: int = 132) -> Tile | None:

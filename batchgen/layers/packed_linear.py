@@ -106,11 +106,11 @@ class PackableWeight:
         in parts; the CPU's packed product returns a new tensor."""
         if self.streams(x):
             return skinny_gemm(x, self.weight, bias, silu_mul, out=out if bias is None else None)
-        tile = tile_for(x, self.weight, silu_mul_out, parts_ok) if bias is None and self.packed is None else None
-        if tile is not None:
-            return tile_gemm(silu_and_mul(x) if silu_mul else x, self.weight, silu_mul_out, parts_ok, tile, out)
         if silu_mul:
             x = silu_and_mul(x)
+        tile = tile_for(x, self.weight, silu_mul_out, parts_ok) if bias is None and self.packed is None else None
+        if tile is not None:
+            return tile_gemm(x, self.weight, silu_mul_out, parts_ok, tile, out)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         if out is not None and bias is None and x.dim() == 2:
