@@ -89,6 +89,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
             self.model.pack_weights()
+        else:  # (before the KV pool is sized: it keeps a copy of each down projection)
+            self.model.use_one_row_mlps(self.device, tp.size)
         attn = self.model.attention_layers()[0]
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         # room for a step's index arrays: ~4 per token and ~8 per sequence

@@ -93,9 +93,9 @@ def _input_values(
         up = tl.load(x_ptr + x_offs + K, mask=mask, other=0.0).to(tl.float32)
         return gate * tl.sigmoid(gate) * up
     if NORM:
-        if HAS_RESIDUAL:
+        if HAS_RESIDUAL:  # (x may be an fp32 sum: rounded to r's dtype first, as a product's output)
             r = tl.load(res_ptr + res_offs, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            x = (x.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
         w = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w
         return normed.to(x.dtype).to(tl.float32)
@@ -195,7 +195,7 @@ def _skinny_gemm_kernel(
             x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride_m + k[None, :], mask=mask, other=0.0)
             if HAS_RESIDUAL:
                 r = tl.load(res_ptr + m[:, None].to(tl.int64) * res_stride_m + k[None, :], mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # one rounding, as torch's x + r
+                x = (x.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # one rounding, as torch's x + r
                 if pid == 0:
                     tl.store(new_res_ptr + m[:, None].to(tl.int64) * new_res_stride_m + k[None, :], x, mask=mask)
             xf = x.to(tl.float32)
@@ -300,16 +300,17 @@ def _launch(x, weight, bias, out_dtype, tile, silu_mul=False, residual=None, nor
     num_rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     assert num_rows <= MAX_ROWS and x.shape[1] == (2 * k if silu_mul else k)
     assert x.stride(1) == 1 and weight.stride(1) == 1 and (bias is None or bias.is_contiguous())
-    y = torch.empty((num_rows, n), dtype=out_dtype or x.dtype, device=x.device) if out is None else out
-    assert y.shape == (num_rows, n) and y.stride(1) == 1 and y.dtype == (out_dtype or x.dtype)
+    out_dtype = out_dtype or (x.dtype if residual is None else residual.dtype)
+    y = torch.empty((num_rows, n), dtype=out_dtype, device=x.device) if out is None else out
+    assert y.shape == (num_rows, n) and y.stride(1) == 1 and y.dtype == out_dtype
     new_residual = x
-    if residual is not None:
-        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
-        new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if residual is not None:  # (x may then be an fp32 sum: layers/one_row_mlp.py)
+        assert residual.shape == x.shape and residual.stride(1) == 1 and x.dtype in (residual.dtype, torch.float32)
+        new_residual = torch.empty_like(residual, memory_format=torch.contiguous_format)
     if num_rows == 0:
         return y, new_residual
     if norm_weight is not None:
-        assert norm_weight.shape == (k,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
+        assert norm_weight.shape == (k,) and norm_weight.is_contiguous() and norm_weight.dtype == new_residual.dtype
     tma = (uses_tma(x, weight) and norm_weight is None) if tile is None else len(tile) == 4
     if tma:
         assert num_rows == 1 and norm_weight is None and tma_ok(weight), "TMA: one row, no norm, an aligned W"
@@ -378,8 +379,8 @@ def normed_skinny_gemm_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if residual is None:
         normed, new_residual = rmsnorm_ref(x, norm_weight, eps), x
-    else:
-        normed, new_residual = add_rmsnorm_ref(x, residual, norm_weight, eps)
+    else:  # (x may be an fp32 sum, rounded first as a product's output)
+        normed, new_residual = add_rmsnorm_ref(x.to(residual.dtype), residual, norm_weight, eps)
     return skinny_gemm_ref(normed, weight, bias), new_residual
 
 

@@ -32,11 +32,13 @@ def normed_product(
     """(linear(norm(x + residual)), x + residual), or without a residual (linear(norm(x)), x). One
     launch where the product streams its weight with plain loads (one row on a GPU: the skinny kernel
     applies the norm as it reads x); the norm's kernel, then the product, elsewhere (also for a
-    row-parallel product's DeferredSum, which the norm sums, and a weight read through
-    TMA: kernels/skinny_gemm.py says why)."""
+    row-parallel product's DeferredSum, which the norm sums, unless it is one fp32 part, and a
+    weight read through TMA: kernels/skinny_gemm.py says why)."""
     # (the loader gives every weight the model's dtype: the skinny kernel asserts it)
-    if not isinstance(x, DeferredSum) and linear.streams(x) and not uses_tma(x, linear.weight):
-        return normed_skinny_gemm(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+    summed = x.single_part() if isinstance(x, DeferredSum) else x  # (an fp32 sum in one part: as it is)
+    row = summed if residual is None else residual  # (16-bit, where summed may be fp32)
+    if summed is not None and linear.streams(row) and not uses_tma(row, linear.weight):
+        return normed_skinny_gemm(summed, residual, norm.weight, norm.eps, linear.weight, linear.bias)
     if residual is None:
         return linear(norm(x)), x
     normed, residual = norm(x, residual)

@@ -134,6 +134,10 @@ class DeferredSum:
     """A row-parallel product's output still in parts, which the add + RMSNorm after it sums in its own
     kernel (see RowParallelLinear, layers/layernorm.py)."""
 
+    def single_part(self) -> torch.Tensor | None:
+        """The sum itself [T, out] (fp32) where it is in one part on this GPU, else None."""
+        return None
+
     def add_rmsnorm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(sum + residual) * weight, sum + residual)."""
         raise NotImplementedError
@@ -151,8 +155,12 @@ class PartialSums(DeferredSum):
 
 @dataclass(frozen=True)
 class SplitParts(DeferredSum):
-    """The fp32 parts [S, T, out] of a product whose K the tile kernel split (kernels/tile_gemm.py)."""
+    """The fp32 parts [S, T, out] of a product whose K the tile kernel split (kernels/tile_gemm.py), or
+    the one part of the one-row MLP's sum (layers/one_row_mlp.py)."""
     parts: torch.Tensor
+
+    def single_part(self):
+        return self.parts[0] if self.parts.shape[0] == 1 else None
 
     def add_rmsnorm(self, residual, weight, eps):
         assert residual is not None, "split-K parts are summed by an add + RMSNorm: it needs the residual"

@@ -7,6 +7,8 @@ SmolLM2. A layer's dataflow:
 Under tensor parallelism on GPUs with symmetric memory each all-reduce is one kernel with the
 residual add and RMSNorm after it (the products hand on PartialSums); on one Hopper GPU the o and
 down projections of 2 to 64 rows hand on split-K parts to theirs the same way (kernels/tile_gemm.py).
+On one GPU a decode of one sequence runs each layer's norm + MLP in one launch, which hands on its
+fp32 sum the same way (layers/one_row_mlp.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from batchgen.layers.attention import Attention
 from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from batchgen.layers.layernorm import RMSNorm, normed_product
 from batchgen.layers.linear import DeferredSum, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from batchgen.layers.one_row_mlp import OneRowMLP, one_row_mlps
 from batchgen.layers.packed_linear import PackableWeight
 from batchgen.layers.rotary import RotaryEmbedding
 from batchgen.models.model_config import ModelConfig
@@ -70,11 +73,14 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
+        self.one_row_mlp: OneRowMLP | None = None  # LlamaForCausalLM.use_one_row_mlps
 
     def forward(self, positions, hidden, residual, batch: ForwardBatch):
         # each norm and the product after it: one launch for one row on a GPU (layernorm.normed_product)
         qkv, residual = normed_product(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
         hidden = self.self_attn(positions, qkv, batch)
+        if self.one_row_mlp is not None and self.one_row_mlp.takes(hidden, residual):
+            return self.one_row_mlp(self.post_attention_layernorm, hidden, residual)  # the MLP in one launch
         gate_up, residual = normed_product(self.post_attention_layernorm, hidden, residual, self.mlp.gate_up_proj)
         return self.mlp.down_proj(gate_up, silu_mul=True, norm_follows=True), residual
 
@@ -114,6 +120,14 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def use_one_row_mlps(self, device: torch.device, tp_size: int) -> bool:
+        """A GPU's decodes of one sequence run each MLP in one launch where that pays
+        (layers/one_row_mlp.py; it keeps a transposed copy of each down projection): whether they do."""
+        mlps = one_row_mlps([layer.mlp for layer in self.layers], device, tp_size)
+        for i, layer in enumerate(self.layers):
+            layer.one_row_mlp = None if mlps is None else mlps[i]
+        return mlps is not None
 
     def pack_weights(self) -> None:
         """CPU: every matrix product through a packed weight (layers/packed_linear.py)."""

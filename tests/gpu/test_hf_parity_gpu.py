@@ -55,7 +55,11 @@ def build(name, path):
 @pytest.mark.parametrize("name,tma_min_weight", [("llama-3.2-1b", None), ("qwen3-0.6b", None), ("qwen3-0.6b", 1)])
 def test_matches_hf_on_gpu(name, tma_min_weight, tmp_path, monkeypatch):
     import batchgen.kernels.skinny_gemm as skinny
+    import batchgen.layers.one_row_mlp as one_row_mlp
 
+    one_row_launches = []  # llama-3.2-1b's one-row MLPs run in one launch (layers/one_row_mlp.py)
+    decode_mlp = one_row_mlp.decode_mlp
+    monkeypatch.setattr(one_row_mlp, "decode_mlp", lambda *args: one_row_launches.append(1) or decode_mlp(*args))
     tma_launches = []
     if tma_min_weight is not None:
         monkeypatch.setattr(skinny, "TMA_MIN_WEIGHT", tma_min_weight)
@@ -93,6 +97,8 @@ def test_matches_hf_on_gpu(name, tma_min_weight, tmp_path, monkeypatch):
                                SamplingParams(temperature=0, max_tokens=1))
     del llm
     torch.cuda.empty_cache()
+    if name == "llama-3.2-1b":
+        assert one_row_launches
     if tma_min_weight is not None and skinny.tma_supported(torch.device("cuda")):
         assert {(16 * 128 + 2 * 8 * 128, 1024), (2 * 3072, 1024)} <= set(tma_launches)  # qkv, gate/up
     report = {"model": name, "tma_min_weight": tma_min_weight, "gpu": torch.cuda.get_device_name(),

@@ -74,6 +74,25 @@ def test_normed_skinny_gemm(device, assert_close, dtype, m, n, k, residual, tile
     assert_close(got, want, scale=3)
 
 
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_normed_product_of_an_fp32_sum(device, assert_close, dtype, tile):
+    """x an fp32 sum (the one-row MLP's, layers/one_row_mlp.py): rounded to the residual's dtype before
+    the add, as the 16-bit product it stands for would be; the output and x + residual in that dtype."""
+    torch.manual_seed(4)
+    x = torch.randn(1, 96, device=device) * 3
+    res = torch.randn(1, 96, dtype=dtype, device=device)
+    norm_weight = (torch.rand(96, device=device) + 0.5).to(dtype)
+    weight = torch.randn(37, 96, dtype=dtype, device=device) / 96**0.5
+    got, got_res = normed_skinny_gemm_triton(x, res, norm_weight, 1e-6, weight, tile=tile)
+    want, want_res = normed_skinny_gemm_triton(x.to(dtype), res, norm_weight, 1e-6, weight, tile=tile)
+    assert got.dtype == got_res.dtype == dtype
+    assert torch.equal(got_res, want_res) and torch.equal(got, want)
+    ref, ref_res = normed_skinny_gemm_ref(x, res, norm_weight, 1e-6, weight)
+    assert torch.equal(ref_res, want_res)
+    assert_close(ref, want, scale=3)
+
+
 @pytest.mark.parametrize("prefetch_two", [False, True])
 @pytest.mark.parametrize("defer", [False, True])
 @pytest.mark.parametrize("mode", ["plain", "silu_mul", "norm"])
