@@ -8,10 +8,10 @@ split-K parts of one part (layers/linear.SplitParts: the skinny qkv product read
 final norm sums it). Each layer's kernel zeroes the next layer's sum (the last layer's: the first's),
 which is why every step must run all layers, as every forward does.
 
-Taken where it pays (graph replays of 16 layers on an H200, KERNELS.md session 19): one GPU (a
-row-parallel down projection would need its all-reduce), 16-bit weights, no MLP bias, and a gate/up
-that the skinny kernel would not read through TMA (qwen2.5-0.5b's, H <= 1024, which is faster that
-way). BATCHGEN_ONE_ROW_MLP=0 turns it off.
+Taken where it pays (H200, KERNELS.md session 19): one GPU (a row-parallel down projection would
+need its all-reduce), 16-bit weights, no MLP bias, a gate/up of at most MAX_GATE_UP elements, and
+one that the skinny kernel would not read through TMA (qwen2.5-0.5b's, H <= 1024, which is faster
+that way). BATCHGEN_ONE_ROW_MLP=0 turns it off.
 """
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ import torch
 from batchgen.kernels.decode_mlp import decode_mlp, supports
 from batchgen.kernels.skinny_gemm import uses_tma
 from batchgen.layers.linear import SplitParts
+
+# The largest gate/up weight (elements) taken: llama-3.2-1b's (2^25) gained, W-decode1 0.912 against
+# 0.951 ms a token; llama-3.1-8b's (3.5x larger) lost, 4.80 against 4.54 (H200, KERNELS.md session 19).
+MAX_GATE_UP = 1 << 25
 
 
 class OneRowMLP:
@@ -51,7 +55,7 @@ def one_row_mlps(mlps: list, device: torch.device, tp_size: int) -> list[OneRowM
     hidden = down.weight.shape[0]
     if gate_up.bias is not None or down.bias is not None or not supports(hidden):
         return None
-    if down.weight.dtype not in (torch.float16, torch.bfloat16):
+    if down.weight.dtype not in (torch.float16, torch.bfloat16) or gate_up.weight.numel() > MAX_GATE_UP:
         return None
     if uses_tma(torch.empty(1, hidden, dtype=down.weight.dtype, device=device), gate_up.weight):
         return None

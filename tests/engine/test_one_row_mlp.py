@@ -6,6 +6,7 @@ import torch
 
 from batchgen.layers.layernorm import RMSNorm, normed_product
 from batchgen.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, SplitParts
+import batchgen.layers.one_row_mlp as one_row_mlp
 from batchgen.layers.one_row_mlp import OneRowMLP, linked_one_row_mlps, one_row_mlps
 from batchgen.models.llama import LlamaMLP
 
@@ -69,5 +70,8 @@ def test_taken_only_on_one_gpu_with_two_layers_or_more(monkeypatch):
         cuda = torch.device("cuda")
         gpu_mlps = [mlp.to(cuda) for mlp in mlps]
         assert one_row_mlps(gpu_mlps[:1], cuda, 1) is None and one_row_mlps(gpu_mlps, cuda, 2) is None
+        monkeypatch.setattr(one_row_mlp, "MAX_GATE_UP", 2 * I * H - 1)
+        assert one_row_mlps(gpu_mlps, cuda, 1) is None  # a gate/up larger than those it pays for
+        monkeypatch.undo()
         monkeypatch.setenv("BATCHGEN_ONE_ROW_MLP", "0")
         assert one_row_mlps(gpu_mlps, cuda, 1) is None
