@@ -171,6 +171,7 @@ def _skinny_gemm_kernel(
     DEFER_SUM: tl.constexpr,  # keep [BLOCK_M, BLOCK_N, BLOCK_K] partials, sum once at the end
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
     PRE_CHUNKS: tl.constexpr,  # chunks of W read before the wait: 1, or 2 when K > BLOCK_K
+    STATS_K: tl.constexpr = 0,  # NORM: columns of x a step of the statistics pass (see stats_columns)
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -188,9 +189,10 @@ def _skinny_gemm_kernel(
     wait_for_prior_kernels(PDL)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM:  # every program reads the rows once more (from L2) for their statistics
-        squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + cols
+        stats_cols = tl.arange(0, STATS_K)
+        squares = tl.zeros((BLOCK_M, STATS_K), dtype=tl.float32)
+        for k0 in range(0, K, STATS_K):
+            k = k0 + stats_cols
             mask = m_ok[:, None] & (k < K)[None, :]
             x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride_m + k[None, :], mask=mask, other=0.0)
             if HAS_RESIDUAL:
@@ -291,6 +293,14 @@ def uses_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and tma_ok(weight))
 
 
+def stats_columns(num_rows: int, k: int, block_k: int) -> int:
+    """Columns of x a step of a normed product's statistics pass: the whole row in one load where
+    the rows hold at most 4,096 values (each step is a round trip to L2 before the stream goes on),
+    else BLOCK_K."""
+    whole = triton.next_power_of_2(k)
+    return whole if triton.next_power_of_2(num_rows) * whole <= 4096 else block_k
+
+
 def prefetched_chunks(num_programs: int, k: int, block_k: int) -> int:
     """Chunks of W (1 or 2) a program reads before its PDL wait: see PREFETCH_MAX_PROGRAMS."""
     return 2 if k > block_k and num_programs <= PREFETCH_MAX_PROGRAMS else 1
@@ -326,6 +336,7 @@ def _launch(x, weight, bias, out_dtype, tile, silu_mul=False, residual=None, nor
         M=num_rows, BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, SILU_MUL=silu_mul, NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, DEFER_SUM=defer, PRE_CHUNKS=pre_chunks,
+        STATS_K=stats_columns(num_rows, k, block_k),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(x.device),
     )
     return y, new_residual
