@@ -31,7 +31,7 @@ class ForwardBatch:
     prefill_q_lens: torch.Tensor  # [P] int32, chunk length
     prefill_kv_lens: torch.Tensor  # [P] int32, cached tokens + chunk
     prefill_max_q_len: int
-    logits_indices: torch.Tensor  # [S] int64, tokens whose next-token logits are sampled
+    logits_indices: torch.Tensor  # [S] int64, tokens whose next-token logits are sampled (decodes' first)
     # Every sequence at once (decodes first), for attention in one launch (a step graph's
     # kernels/unified_attention.py): sequence i's queries are tokens [q_start[i], q_start[i + 1]).
     unified: bool = False  # attend through seq_rows / q_start / kv_lens instead of the split paths
@@ -46,6 +46,11 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return self.num_decode + self.num_prefill
+
+    @property
+    def samples_every_token(self) -> bool:
+        """A decode-only step: every token is sampled, in order (logits_indices is [0, T))."""
+        return self.num_decode == self.input_ids.shape[0]
 
     def record_slots(self) -> None:
         """Write the new tokens' slots into the token table: req_to_token[row, position] = slot.

@@ -112,6 +112,8 @@ class LlamaForCausalLM(nn.Module):
         hidden, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
             hidden, residual = layer(batch.positions, hidden, residual, batch)
+        if batch.samples_every_token:  # (no gather of every row)
+            return self.norm(hidden, residual)[0]
         idx = batch.logits_indices  # the final norm only where logits are needed
         if isinstance(hidden, DeferredSum):  # (summed with the norm, on every row)
             return self.norm(hidden, residual)[0][idx]
