@@ -6,7 +6,9 @@ The kernel reads the down projection's weight transposed, so each layer keeps a 
 an fp32 sum [1, H] that the kernel's programs add into. The next layer's norm takes that sum as
 split-K parts of one part (layers/linear.SplitParts: the skinny qkv product reads it as it norms, the
 final norm sums it). Each layer's kernel zeroes the next layer's sum (the last layer's: the first's),
-which is why every step must run all layers, as every forward does.
+which is why every step must run all layers, as every forward does; one that raised part-way (an
+eager step) left the first layer's sum unzeroed, and the next forward zeroes it first. A graph's
+replay always runs all of its kernels.
 
 Taken where it pays (H200, KERNELS.md session 19): one GPU (a row-parallel down projection would
 need its all-reduce), 16-bit weights, no MLP bias, a gate/up of at most MAX_GATE_UP elements, and
@@ -33,7 +35,8 @@ class OneRowMLP:
         self.w_gate_up = w_gate_up
         self.w_down_t = w_down.t().contiguous()
         self.sum = torch.zeros(1, w_down.shape[0], dtype=torch.float32, device=w_down.device)
-        self.next = self  # the next layer's (one_row_mlps links them)
+        self.next = self.first = self  # the next layer's and the first layer's (linked_one_row_mlps)
+        self.open = False  # (the first layer's) a forward's MLPs began and have not all run yet
 
     @staticmethod
     def takes(x, residual: torch.Tensor | None) -> bool:
@@ -42,8 +45,14 @@ class OneRowMLP:
 
     def __call__(self, norm, x: torch.Tensor, residual: torch.Tensor) -> tuple[SplitParts, torch.Tensor]:
         """(the MLP of norm(x + residual), as one fp32 part, x + residual); norm: the layer's RMSNorm."""
+        if self.first is self:
+            if self.open:  # the last forward raised part-way (an eager step): the last layer never zeroed this
+                self.sum.zero_()
+            self.open = True
         new_residual = decode_mlp(x, residual, norm.weight, norm.eps, self.w_gate_up, self.w_down_t, self.sum,
                                   self.next.sum)
+        if self.next is self.first:
+            self.first.open = False
         return SplitParts(self.sum.view(1, 1, -1)), new_residual
 
 
@@ -68,5 +77,5 @@ def linked_one_row_mlps(mlps: list) -> list[OneRowMLP]:
     assert len(mlps) >= 2
     layers = [OneRowMLP(mlp.gate_up_proj.weight, mlp.down_proj.weight) for mlp in mlps]
     for layer, following in zip(layers, layers[1:] + layers[:1]):
-        layer.next = following
+        layer.next, layer.first = following, layers[0]
     return layers
