@@ -28,17 +28,14 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
-from batchgen.kernels.rmsnorm import add_rmsnorm_ref
+from batchgen.kernels.rmsnorm import add_residual, add_rmsnorm_ref
+from batchgen.kernels.skinny_gemm import input_values
 
 
 @triton.jit
-def _normed_chunk(x_ptr, res_ptr, norm_w_ptr, k, rstd):
-    """rmsnorm(x + r) * w at columns k, in fp32, rounded as kernels/rmsnorm.py rounds (x to r's
-    dtype first: x may be an fp32 sum)."""
-    r = tl.load(res_ptr + k)
-    summed = (tl.load(x_ptr + k).to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
-    w = tl.load(norm_w_ptr + k).to(tl.float32)
-    return ((summed.to(tl.float32) * rstd).to(r.dtype).to(tl.float32) * w).to(r.dtype).to(tl.float32)
+def _normed(x_ptr, res_ptr, norm_w_ptr, k, rstd, H):
+    """rmsnorm(x + r) * w at columns k, in fp32, rounded as the skinny normed product rounds it."""
+    return input_values(x_ptr, k, res_ptr, k, k < H, norm_w_ptr, k, k < H, rstd, H, False, True, True)
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -75,7 +72,7 @@ def _decode_mlp_kernel(
     h = tl.arange(0, H_POW2)
     h_ok = h < H
     r = tl.load(res_ptr + h, mask=h_ok, other=0.0)
-    summed = (tl.load(x_ptr + h, mask=h_ok, other=0.0).to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+    summed = add_residual(tl.load(x_ptr + h, mask=h_ok, other=0.0), r)
     if pid == 0:
         tl.store(new_res_ptr + h, summed, mask=h_ok)
         tl.store(next_sum_ptr + h, tl.zeros((H_POW2,), dtype=tl.float32), mask=h_ok)
@@ -86,7 +83,7 @@ def _decode_mlp_kernel(
     for k0 in range(BLOCK_K, H, BLOCK_K):
         next_gate = tl.load(gate_ptrs + k0)  # in flight while the chunk before is summed
         next_up = tl.load(up_ptrs + k0)
-        normed = _normed_chunk(x_ptr, res_ptr, norm_w_ptr, k0 - BLOCK_K + cols, rstd)[None, :]
+        normed = _normed(x_ptr, res_ptr, norm_w_ptr, k0 - BLOCK_K + cols, rstd, H)[None, :]
         gate_acc += gate_w.to(tl.float32) * normed
         up_acc += up_w.to(tl.float32) * normed
         gate_w = next_gate
@@ -94,7 +91,7 @@ def _decode_mlp_kernel(
     out_cols = tl.arange(0, BLOCK_H)
     down_ptrs = w_down_t_ptr + j_row[:, None] * H + out_cols[None, :]
     down_w = tl.load(down_ptrs)  # W_down's first chunk in flight while the last gate/up chunk is summed
-    normed = _normed_chunk(x_ptr, res_ptr, norm_w_ptr, H - BLOCK_K + cols, rstd)[None, :]
+    normed = _normed(x_ptr, res_ptr, norm_w_ptr, H - BLOCK_K + cols, rstd, H)[None, :]
     gate_acc += gate_w.to(tl.float32) * normed
     up_acc += up_w.to(tl.float32) * normed
     dtype = gate_w.dtype
@@ -113,7 +110,7 @@ def _decode_mlp_kernel(
 Tile = tuple[int, int, int, int]  # (BLOCK_J, BLOCK_K, BLOCK_H, warps)
 
 
-def default_tile(hidden: int, inter: int) -> Tile:
+def default_tile(hidden: int) -> Tile:
     """Swept on an H200 (KERNELS.md, session 19), graph replays of 16 layers: llama-3.2-1b (H = 2048)
     fastest at (16, 256, 1024, 4 warps), within 2% of (32, 128, 512, 4), llama-3.1-8b's best."""
     pow2 = hidden & -hidden  # the largest power of two that divides H
@@ -139,7 +136,7 @@ def decode_mlp_triton(
     assert w_gate_up.dtype == w_down_t.dtype == residual.dtype == norm_weight.dtype and supports(hidden)
     assert out_sum.shape == next_sum.shape == (1, hidden) and out_sum.dtype == next_sum.dtype == torch.float32
     assert out_sum.data_ptr() != next_sum.data_ptr(), "a layer's sum is not the next one's"
-    block_j, block_k, block_h, num_warps = tile or default_tile(hidden, inter)
+    block_j, block_k, block_h, num_warps = tile or default_tile(hidden)
     assert hidden % block_k == 0 and hidden % block_h == 0
     new_residual = torch.empty_like(residual)
     _decode_mlp_kernel[(triton.cdiv(inter, block_j),)](

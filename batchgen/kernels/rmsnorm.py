@@ -15,6 +15,13 @@ import triton.language as tl
 from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 
 
+@triton.jit
+def add_residual(x, r):
+    """x + r as torch adds a product's output to the residual: x rounded to r's dtype (x may be an fp32
+    sum: split-K parts, the one-row MLP's), the sum in fp32, rounded once to r's dtype."""
+    return (x.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+
+
 @triton.jit(do_not_specialize=["eps"])
 def _rmsnorm_kernel(
     x_ptr,  # [T, H] input
@@ -45,7 +52,7 @@ def _rmsnorm_kernel(
         x = x.to(residual_ptr.dtype.element_ty)  # as the product rounds its output
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * residual_stride_t + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # one rounding, as torch's x + r
+        x = add_residual(x, r)
         tl.store(new_residual_ptr + row * new_residual_stride_t + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
-from batchgen.kernels.rmsnorm import add_rmsnorm_ref, rmsnorm_ref
+from batchgen.kernels.rmsnorm import add_residual, add_rmsnorm_ref, rmsnorm_ref
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref
 
 MAX_ROWS = 8
@@ -80,7 +80,7 @@ def tma_ok(weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _input_values(
+def input_values(
     x_ptr, x_offs, res_ptr, res_offs, mask, norm_w_ptr, k, k_ok, rstd, K,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
@@ -93,9 +93,8 @@ def _input_values(
         up = tl.load(x_ptr + x_offs + K, mask=mask, other=0.0).to(tl.float32)
         return gate * tl.sigmoid(gate) * up
     if NORM:
-        if HAS_RESIDUAL:  # (x may be an fp32 sum: rounded to r's dtype first, as a product's output)
-            r = tl.load(res_ptr + res_offs, mask=mask, other=0.0)
-            x = (x.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+        if HAS_RESIDUAL:  # (x may be an fp32 sum)
+            x = add_residual(x, tl.load(res_ptr + res_offs, mask=mask, other=0.0))
         w = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w
         return normed.to(x.dtype).to(tl.float32)
@@ -107,11 +106,11 @@ def _input_chunk(
     x_ptr, x_stride_m, res_ptr, res_stride_m, norm_w_ptr, rstd, m, m_ok, k, k_ok, K,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
-    """_input_values at columns k of rows m: [BLOCK_M, BLOCK_K]."""
+    """input_values at columns k of rows m: [BLOCK_M, BLOCK_K]."""
     mask = m_ok[:, None] & k_ok[None, :]
     x_offs = m[:, None].to(tl.int64) * x_stride_m + k[None, :]
     res_offs = m[:, None].to(tl.int64) * res_stride_m + k[None, :]
-    return _input_values(x_ptr, x_offs, res_ptr, res_offs, mask, norm_w_ptr, k[None, :], k_ok[None, :],
+    return input_values(x_ptr, x_offs, res_ptr, res_offs, mask, norm_w_ptr, k[None, :], k_ok[None, :],
                          rstd[:, None], K, SILU_MUL, NORM, HAS_RESIDUAL)
 
 
@@ -197,7 +196,7 @@ def _skinny_gemm_kernel(
             x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride_m + k[None, :], mask=mask, other=0.0)
             if HAS_RESIDUAL:
                 r = tl.load(res_ptr + m[:, None].to(tl.int64) * res_stride_m + k[None, :], mask=mask, other=0.0)
-                x = (x.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # one rounding, as torch's x + r
+                x = add_residual(x, r)
                 if pid == 0:
                     tl.store(new_res_ptr + m[:, None].to(tl.int64) * new_res_stride_m + k[None, :], x, mask=mask)
             xf = x.to(tl.float32)
@@ -251,12 +250,12 @@ def _tma_row_kernel(
     first_w = w_desc.load([row0, 0])  # before the PDL wait: W is a constant
     wait_for_prior_kernels(PDL)
     # x or silu(g) * u (no residual, no norm: x_ptr stands in for their unused pointers)
-    x = _input_values(x_ptr, cols, x_ptr, cols, cols < K, x_ptr, cols, cols < K, 0.0, K, SILU_MUL, False, False)
+    x = input_values(x_ptr, cols, x_ptr, cols, cols < K, x_ptr, cols, cols < K, 0.0, K, SILU_MUL, False, False)
     acc = first_w.to(tl.float32) * x[None, :]
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         k = k0 + cols
         w = w_desc.load([row0, k0])
-        x = _input_values(x_ptr, k, x_ptr, k, k < K, x_ptr, k, k < K, 0.0, K, SILU_MUL, False, False)
+        x = input_values(x_ptr, k, x_ptr, k, k < K, x_ptr, k, k < K, 0.0, K, SILU_MUL, False, False)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     rows = row0 + tl.arange(0, BLOCK_N)

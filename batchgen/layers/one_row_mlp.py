@@ -35,6 +35,7 @@ class OneRowMLP:
         self.w_gate_up = w_gate_up
         self.w_down_t = w_down.t().contiguous()
         self.sum = torch.zeros(1, w_down.shape[0], dtype=torch.float32, device=w_down.device)
+        self.parts = SplitParts(self.sum.view(1, 1, -1))  # what the layer hands on: the sum, as one part
         self.next = self.first = self  # the next layer's and the first layer's (linked_one_row_mlps)
         self.open = False  # (the first layer's) a forward's MLPs began and have not all run yet
 
@@ -53,7 +54,7 @@ class OneRowMLP:
                                   self.next.sum)
         if self.next is self.first:
             self.first.open = False
-        return SplitParts(self.sum.view(1, 1, -1)), new_residual
+        return self.parts, new_residual
 
 
 def one_row_mlps(mlps: list, device: torch.device, tp_size: int) -> list[OneRowMLP] | None:

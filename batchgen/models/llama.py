@@ -123,13 +123,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def use_one_row_mlps(self, device: torch.device, tp_size: int) -> bool:
+    def use_one_row_mlps(self, device: torch.device, tp_size: int) -> None:
         """A GPU's decodes of one sequence run each MLP in one launch where that pays
-        (layers/one_row_mlp.py; it keeps a transposed copy of each down projection): whether they do."""
+        (layers/one_row_mlp.py; it keeps a transposed copy of each down projection)."""
         mlps = one_row_mlps([layer.mlp for layer in self.layers], device, tp_size)
         for i, layer in enumerate(self.layers):
             layer.one_row_mlp = None if mlps is None else mlps[i]
-        return mlps is not None
 
     def pack_weights(self) -> None:
         """CPU: every matrix product through a packed weight (layers/packed_linear.py)."""
