@@ -80,7 +80,7 @@ def tma_ok(weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def input_values(
+def _input_values(
     x_ptr, x_offs, res_ptr, res_offs, mask, norm_w_ptr, k, k_ok, rstd, K,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
@@ -106,11 +106,11 @@ def _input_chunk(
     x_ptr, x_stride_m, res_ptr, res_stride_m, norm_w_ptr, rstd, m, m_ok, k, k_ok, K,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
-    """input_values at columns k of rows m: [BLOCK_M, BLOCK_K]."""
+    """_input_values at columns k of rows m: [BLOCK_M, BLOCK_K]."""
     mask = m_ok[:, None] & k_ok[None, :]
     x_offs = m[:, None].to(tl.int64) * x_stride_m + k[None, :]
     res_offs = m[:, None].to(tl.int64) * res_stride_m + k[None, :]
-    return input_values(x_ptr, x_offs, res_ptr, res_offs, mask, norm_w_ptr, k[None, :], k_ok[None, :],
+    return _input_values(x_ptr, x_offs, res_ptr, res_offs, mask, norm_w_ptr, k[None, :], k_ok[None, :],
                          rstd[:, None], K, SILU_MUL, NORM, HAS_RESIDUAL)
 
 
@@ -250,12 +250,12 @@ def _tma_row_kernel(
     first_w = w_desc.load([row0, 0])  # before the PDL wait: W is a constant
     wait_for_prior_kernels(PDL)
     # x or silu(g) * u (no residual, no norm: x_ptr stands in for their unused pointers)
-    x = input_values(x_ptr, cols, x_ptr, cols, cols < K, x_ptr, cols, cols < K, 0.0, K, SILU_MUL, False, False)
+    x = _input_values(x_ptr, cols, x_ptr, cols, cols < K, x_ptr, cols, cols < K, 0.0, K, SILU_MUL, False, False)
     acc = first_w.to(tl.float32) * x[None, :]
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         k = k0 + cols
         w = w_desc.load([row0, k0])
-        x = input_values(x_ptr, k, x_ptr, k, k < K, x_ptr, k, k < K, 0.0, K, SILU_MUL, False, False)
+        x = _input_values(x_ptr, k, x_ptr, k, k < K, x_ptr, k, k < K, 0.0, K, SILU_MUL, False, False)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     rows = row0 + tl.arange(0, BLOCK_N)
