@@ -324,14 +324,28 @@ def unified_shapes():
         ("decode B=256 L=512..2048", [(1, rng.randint(512, 2048)) for _ in range(256)], None),
         ("mixed 200 dec L~300 + 4x256", decodes + chunks, (1280, 256)),
         ("prefill 1x4096", [(4096, 4096)], (4096, 256)),
+        ("W-offline prefill step", _packed_prompts(rng, 100, 1024), (8192, 256)),
+        ("W-short prefill step", _packed_prompts(rng, 32, 256), (8192, 256)),
     ]
+
+
+def _packed_prompts(rng, shortest, longest, budget=8192):
+    """Whole prompts of U[shortest, longest] tokens from an empty cache, the last one cut to fill a
+    step's token budget: a prefill step of W-offline or W-short."""
+    seqs = []
+    while budget > 0:
+        n = min(rng.randint(shortest, longest), budget)
+        seqs.append((n, n))
+        budget -= n
+    return seqs
 
 
 # (BLOCK_M, SMALL_M, BLOCK_N, num_warps, num_stages), most promising first; the launcher's default
 # for 16-bit inputs: (64, 16, 64, 4, 3).
 UNIFIED_VARIANTS = [(64, 16, 64, 4, 3), (64, 16, 64, 8, 3), (128, 16, 64, 8, 3), (64, 16, 128, 4, 2),
                     (64, 32, 64, 4, 3), (64, 16, 32, 4, 3), (32, 16, 64, 4, 3), (64, 16, 64, 4, 2),
-                    (128, 16, 64, 8, 2), (16, 16, 64, 4, 3)]
+                    (128, 16, 64, 8, 2), (16, 16, 64, 4, 3), (128, 16, 64, 4, 3), (128, 16, 32, 4, 3),
+                    (64, 16, 32, 4, 4), (128, 16, 128, 8, 2), (256, 16, 64, 8, 2), (64, 16, 64, 4, 4)]
 
 
 def unified_case(cfg, seqs, padded):
