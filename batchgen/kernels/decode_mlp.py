@@ -20,6 +20,8 @@ sum vary from run to run (about one fp32 rounding; the rounding to 16 bits mostl
 
 On an H200, llama-3.2-1b's MLP in graph replays of 16 layers: 29.5 us against 31.6-32.3 for the norm
 kernel, cuBLAS's gate/up and the skinny down with SiLU-and-mul (benchmarks/KERNELS.md, session 19).
+For H = 2,048 decode_mlp() takes kernels/decode_mlp_gluon.py's persistent kernel instead where its
+start-up check passed (28.2 against 30.1 us: this kernel's 512 programs run two an SM, in two waves).
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.decode_mlp_gluon import decode_mlp_gluon
+from batchgen.kernels.decode_mlp_gluon import usable as gluon_usable
 from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rmsnorm import add_residual, add_rmsnorm_ref
 
@@ -165,9 +169,11 @@ def decode_mlp(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     w_gate_up: torch.Tensor, w_down_t: torch.Tensor, out_sum: torch.Tensor, next_sum: torch.Tensor,
 ) -> torch.Tensor:
-    """decode_mlp_triton's contract: the kernel on a GPU, the reference's sum added elsewhere."""
+    """decode_mlp_triton's contract: on a GPU the kernel (kernels/decode_mlp_gluon.py's where its check
+    passed), the reference's sum added elsewhere."""
     if x.is_cuda:
-        return decode_mlp_triton(x, residual, norm_weight, eps, w_gate_up, w_down_t, out_sum, next_sum)
+        kernel = decode_mlp_gluon if gluon_usable(x.device, residual.dtype, w_down_t.shape[1]) else decode_mlp_triton
+        return kernel(x, residual, norm_weight, eps, w_gate_up, w_down_t, out_sum, next_sum)
     total, new_residual = decode_mlp_ref(x, residual, norm_weight, eps, w_gate_up, w_down_t)
     out_sum += total
     next_sum.zero_()

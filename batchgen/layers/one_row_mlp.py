@@ -13,7 +13,8 @@ replay always runs all of its kernels.
 Taken where it pays (H200, KERNELS.md session 19): one GPU (a row-parallel down projection would
 need its all-reduce), 16-bit weights, no MLP bias, a gate/up of at most MAX_GATE_UP elements, and
 one that the skinny kernel would not read through TMA (qwen2.5-0.5b's, H <= 1024, which is faster
-that way). BATCHGEN_ONE_ROW_MLP=0 turns it off.
+that way). BATCHGEN_ONE_ROW_MLP=0 turns it off. For llama-3.2-1b's H the kernel is
+kernels/decode_mlp_gluon.py's where its start-up check passes (BATCHGEN_GLUON_MLP=0: never).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import os
 
 import torch
 
+from batchgen.kernels import decode_mlp_gluon
 from batchgen.kernels.decode_mlp import decode_mlp, supports
 from batchgen.kernels.skinny_gemm import uses_tma
 from batchgen.layers.linear import SplitParts
@@ -69,6 +71,7 @@ def one_row_mlps(mlps: list, device: torch.device, tp_size: int) -> list[OneRowM
         return None
     if uses_tma(torch.empty(1, hidden, dtype=down.weight.dtype, device=device), gate_up.weight):
         return None
+    decode_mlp_gluon.check(device, down.weight.dtype, hidden)  # (the persistent kernel where it compiles and agrees)
     return linked_one_row_mlps(mlps)
 
 

@@ -1,0 +1,86 @@
+import pytest
+import torch
+
+from batchgen.kernels import decode_mlp_gluon
+from batchgen.kernels.decode_mlp import decode_mlp, decode_mlp_ref
+from tests.kernels.test_decode_mlp import _inputs
+
+needs_gluon = pytest.mark.skipif(decode_mlp_gluon.gluon is None, reason="this Triton has no Gluon")
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inter", [8192, 1000, 131, 40])  # llama-3.2-1b's; partial blocks; fewer rows than SMs
+def test_decode_mlp_gluon(dtype, inter):
+    """The persistent kernel against the reference: the MLP added onto a sum that was not zero, the
+    next layer's sum zeroed, x + residual bit for bit (H = 2048, the only H it takes)."""
+    x, residual, norm_weight, w_gate_up, w_down_t = _inputs(2048, inter, dtype, "cuda")
+    out_sum = torch.full((1, 2048), 0.5, device="cuda")
+    next_sum = torch.ones(1, 2048, device="cuda")
+    new_residual = decode_mlp_gluon.decode_mlp_gluon(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t, out_sum, next_sum)
+    want_sum, want_residual = decode_mlp_ref(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t)
+    assert torch.equal(new_residual, want_residual)
+    assert (next_sum == 0).all()
+    # gate and up are rounded to 16 bits as the reference rounds them, after fp32 sums in another
+    # order: a rounding may flip (as for kernels/decode_mlp.py's kernel)
+    torch.testing.assert_close(out_sum, want_sum + 0.5, rtol=2e-2, atol=2e-2 * want_sum.abs().max().item())
+
+
+@pytest.mark.gpu
+@needs_gluon
+def test_decode_mlp_gluon_fp32_input():
+    """x may be an fp32 sum (a split-K part): rounded to the residual's dtype first, as the reference does."""
+    x, residual, norm_weight, w_gate_up, w_down_t = _inputs(2048, 1000, torch.bfloat16, "cuda", x_dtype=torch.float32)
+    out_sum, next_sum = torch.zeros(1, 2048, device="cuda"), torch.zeros(1, 2048, device="cuda")
+    new_residual = decode_mlp_gluon.decode_mlp_gluon(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t, out_sum, next_sum)
+    want_sum, want_residual = decode_mlp_ref(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t)
+    assert torch.equal(new_residual, want_residual)
+    torch.testing.assert_close(out_sum, want_sum, rtol=2e-2, atol=2e-2 * want_sum.abs().max().item())
+
+
+@pytest.mark.gpu
+@needs_gluon
+def test_decode_mlp_takes_gluon_after_its_check(monkeypatch):
+    """decode_mlp takes the persistent kernel only once its check passed, for H = 2048 only, and
+    BATCHGEN_GLUON_MLP=0 keeps the Triton kernel."""
+    device = torch.device("cuda")
+    launches = []
+    real = decode_mlp_gluon.decode_mlp_gluon
+    monkeypatch.setattr("batchgen.kernels.decode_mlp.decode_mlp_gluon", lambda *a: launches.append(1) or real(*a))
+    monkeypatch.setattr(decode_mlp_gluon, "_CHECKED", {})
+
+    def run(h, inter):
+        x, residual, norm_weight, w_gate_up, w_down_t = _inputs(h, inter, torch.bfloat16, "cuda")
+        out_sum, next_sum = torch.zeros(1, h, device="cuda"), torch.zeros(1, h, device="cuda")
+        decode_mlp(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t, out_sum, next_sum)
+        torch.testing.assert_close(out_sum, decode_mlp_ref(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t)[0],
+                                   rtol=2e-2, atol=2e-2)
+
+    run(2048, 256)
+    assert launches == []  # not checked yet: the Triton kernel
+    monkeypatch.setenv("BATCHGEN_GLUON_MLP", "0")
+    assert not decode_mlp_gluon.check(device, torch.bfloat16, 2048)
+    run(2048, 256)
+    assert launches == []
+    monkeypatch.setattr(decode_mlp_gluon, "_CHECKED", {})
+    monkeypatch.delenv("BATCHGEN_GLUON_MLP")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the persistent kernel is taken on Hopper and later")
+    assert decode_mlp_gluon.check(device, torch.bfloat16, 2048)
+    run(2048, 256)
+    assert launches == [1]
+    run(1024, 256)  # another H: the Triton kernel
+    assert launches == [1]
+
+
+def test_never_taken_off_the_gpu():
+    """No check passes off the GPU; decode_mlp keeps its reference there."""
+    cpu = torch.device("cpu")
+    assert not decode_mlp_gluon.check(cpu, torch.bfloat16, 2048)
+    assert not decode_mlp_gluon.usable(cpu, torch.bfloat16, 2048)
+    x, residual, norm_weight, w_gate_up, w_down_t = _inputs(2048, 16, torch.float32, "cpu")
+    out_sum, next_sum = torch.zeros(1, 2048), torch.ones(1, 2048)
+    decode_mlp(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t, out_sum, next_sum)
+    torch.testing.assert_close(out_sum, decode_mlp_ref(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t)[0])
+    assert (next_sum == 0).all()
