@@ -23,6 +23,7 @@ BATCHGEN_GLUON_MLP=0 turns it off.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -35,74 +36,79 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.language.extra import cuda as cuda_extra
-except ImportError:  # an older Triton
+except Exception:  # noqa: BLE001 (a Triton without Gluon, or with another one: the Triton kernel)
     gluon = None
 
 HIDDEN = 2048  # H taken: 256 columns a warp-row times NUM_WARPS, one column group a thread
 NUM_WARPS = 8  # = BJ, the rows of a block (one a warp)
 _CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> check passed
 
-if gluon is not None:
 
-    @gluon.jit(do_not_specialize=["eps", "rows_per_program"])
-    def _decode_mlp_gluon_kernel(
-        x_ptr, res_ptr, new_res_ptr, norm_w_ptr, eps, w_gate_up_ptr, w_down_t_ptr, sum_ptr, next_sum_ptr,
-        H, I, rows_per_program,  # (arguments as kernels/decode_mlp.py's; R = rows_per_program)
-        NW: gl.constexpr,  # warps = rows of a block
-        PDL: gl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
-    ):
-        BJ: gl.constexpr = NW
-        HC: gl.constexpr = 256 * NW  # == H
-        # gate/up blocks [BJ, H]: a row a warp, 8 contiguous columns a thread
-        LG: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-        # W_down^T blocks [BJ, H]: every row of 8 contiguous columns in one thread
-        LD: gl.constexpr = gl.BlockedLayout([BJ, 8], [1, 32], [1, NW], [1, 0])
-        pid = gl.program_id(0)
-        start = pid * rows_per_program
-        end = gl.minimum(start + rows_per_program, I)
-        rows_g = gl.arange(0, BJ, layout=gl.SliceLayout(1, LG))
-        cols_g = gl.arange(0, HC, layout=gl.SliceLayout(0, LG))
-        rows_d = gl.arange(0, BJ, layout=gl.SliceLayout(1, LD))
-        cols_d = gl.arange(0, HC, layout=gl.SliceLayout(0, LD))
-        j = start + rows_g
-        offs = gl.expand_dims(j.to(gl.int64) * H, 1) + gl.expand_dims(cols_g, 0)
-        mask = gl.expand_dims(j < end, 1)
-        gate_w = gl.load(w_gate_up_ptr + offs, mask=mask, other=0.0)  # the first block before the PDL wait
-        up_w = gl.load(w_gate_up_ptr + I * H + offs, mask=mask, other=0.0)
-        if PDL:  # kernels/pdl.py's wait_for_prior_kernels
-            cuda_extra.gdc_wait()
-            cuda_extra.gdc_launch_dependents()
+@functools.cache
+def _jitted():
+    """The kernel, jitted at its first launch (in `check`'s try): an experimental API that another
+    Triton may reject must not fail the import of batchgen."""
+    return gluon.jit(do_not_specialize=["eps", "rows_per_program"])(_decode_mlp_gluon_kernel)
 
-        # the row (in every warp), its statistics and the normed row, once a program
-        r = gl.load(res_ptr + cols_g)
-        summed = (gl.load(x_ptr + cols_g).to(r.dtype).to(gl.float32) + r.to(gl.float32)).to(r.dtype)
-        if pid == 0:
-            gl.store(new_res_ptr + cols_d, gl.convert_layout(summed, gl.SliceLayout(0, LD)))
-            gl.store(next_sum_ptr + cols_d, gl.zeros([HC], gl.float32, gl.SliceLayout(0, LD)))
-        sf = summed.to(gl.float32)
-        rstd = 1.0 / gl.sqrt(gl.sum(sf * sf, axis=0) / H + eps)
-        w = gl.load(norm_w_ptr + cols_g).to(gl.float32)
-        normed = gl.expand_dims(((sf * rstd).to(r.dtype).to(gl.float32) * w).to(r.dtype).to(gl.float32), 0)
 
-        out = gl.zeros([HC], gl.float32, gl.SliceLayout(0, LD))  # this program's share of the down product
-        for b0 in range(start, end, BJ):
-            j_next = b0 + BJ + rows_g
-            offs_next = gl.expand_dims(j_next.to(gl.int64) * H, 1) + gl.expand_dims(cols_g, 0)
-            mask_next = gl.expand_dims(j_next < end, 1)
-            next_gate = gl.load(w_gate_up_ptr + offs_next, mask=mask_next, other=0.0)  # in flight meanwhile
-            next_up = gl.load(w_gate_up_ptr + I * H + offs_next, mask=mask_next, other=0.0)
-            j_d = b0 + rows_d
-            down_w = gl.load(w_down_t_ptr + gl.expand_dims(j_d.to(gl.int64) * H, 1) + gl.expand_dims(cols_d, 0),
-                             mask=gl.expand_dims(j_d < end, 1), other=0.0)
-            dtype = gate_w.dtype
-            gate = gl.sum(gate_w.to(gl.float32) * normed, axis=1).to(dtype).to(gl.float32)  # rounded as a product's
-            up = gl.sum(up_w.to(gl.float32) * normed, axis=1).to(dtype).to(gl.float32)
-            act = gl.where(b0 + rows_g < end, gate / (1.0 + gl.exp(-gate)) * up, 0.0)
-            act = gl.expand_dims(gl.convert_layout(act, gl.SliceLayout(1, LD)), 1)
-            out += gl.sum(down_w.to(gl.float32) * act, axis=0)
-            gate_w = next_gate
-            up_w = next_up
-        gl.atomic_add(sum_ptr + cols_d, out, sem="relaxed")
+def _decode_mlp_gluon_kernel(
+    x_ptr, res_ptr, new_res_ptr, norm_w_ptr, eps, w_gate_up_ptr, w_down_t_ptr, sum_ptr, next_sum_ptr,
+    H, I, rows_per_program,  # (arguments as kernels/decode_mlp.py's; R = rows_per_program)
+    NW: gl.constexpr,  # warps = rows of a block
+    PDL: gl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+):
+    BJ: gl.constexpr = NW
+    HC: gl.constexpr = 256 * NW  # == H
+    # gate/up blocks [BJ, H]: a row a warp, 8 contiguous columns a thread
+    LG: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    # W_down^T blocks [BJ, H]: every row of 8 contiguous columns in one thread
+    LD: gl.constexpr = gl.BlockedLayout([BJ, 8], [1, 32], [1, NW], [1, 0])
+    pid = gl.program_id(0)
+    start = pid * rows_per_program
+    end = gl.minimum(start + rows_per_program, I)
+    rows_g = gl.arange(0, BJ, layout=gl.SliceLayout(1, LG))
+    cols_g = gl.arange(0, HC, layout=gl.SliceLayout(0, LG))
+    rows_d = gl.arange(0, BJ, layout=gl.SliceLayout(1, LD))
+    cols_d = gl.arange(0, HC, layout=gl.SliceLayout(0, LD))
+    j = start + rows_g
+    offs = gl.expand_dims(j.to(gl.int64) * H, 1) + gl.expand_dims(cols_g, 0)
+    mask = gl.expand_dims(j < end, 1)
+    gate_w = gl.load(w_gate_up_ptr + offs, mask=mask, other=0.0)  # the first block before the PDL wait
+    up_w = gl.load(w_gate_up_ptr + I * H + offs, mask=mask, other=0.0)
+    if PDL:  # kernels/pdl.py's wait_for_prior_kernels
+        cuda_extra.gdc_wait()
+        cuda_extra.gdc_launch_dependents()
+
+    # the row (in every warp), its statistics and the normed row, once a program
+    r = gl.load(res_ptr + cols_g)
+    summed = (gl.load(x_ptr + cols_g).to(r.dtype).to(gl.float32) + r.to(gl.float32)).to(r.dtype)
+    if pid == 0:
+        gl.store(new_res_ptr + cols_d, gl.convert_layout(summed, gl.SliceLayout(0, LD)))
+        gl.store(next_sum_ptr + cols_d, gl.zeros([HC], gl.float32, gl.SliceLayout(0, LD)))
+    sf = summed.to(gl.float32)
+    rstd = 1.0 / gl.sqrt(gl.sum(sf * sf, axis=0) / H + eps)
+    w = gl.load(norm_w_ptr + cols_g).to(gl.float32)
+    normed = gl.expand_dims(((sf * rstd).to(r.dtype).to(gl.float32) * w).to(r.dtype).to(gl.float32), 0)
+
+    out = gl.zeros([HC], gl.float32, gl.SliceLayout(0, LD))  # this program's share of the down product
+    for b0 in range(start, end, BJ):
+        j_next = b0 + BJ + rows_g
+        offs_next = gl.expand_dims(j_next.to(gl.int64) * H, 1) + gl.expand_dims(cols_g, 0)
+        mask_next = gl.expand_dims(j_next < end, 1)
+        next_gate = gl.load(w_gate_up_ptr + offs_next, mask=mask_next, other=0.0)  # in flight meanwhile
+        next_up = gl.load(w_gate_up_ptr + I * H + offs_next, mask=mask_next, other=0.0)
+        j_d = b0 + rows_d
+        down_w = gl.load(w_down_t_ptr + gl.expand_dims(j_d.to(gl.int64) * H, 1) + gl.expand_dims(cols_d, 0),
+                         mask=gl.expand_dims(j_d < end, 1), other=0.0)
+        dtype = gate_w.dtype
+        gate = gl.sum(gate_w.to(gl.float32) * normed, axis=1).to(dtype).to(gl.float32)  # rounded as a product's
+        up = gl.sum(up_w.to(gl.float32) * normed, axis=1).to(dtype).to(gl.float32)
+        act = gl.where(b0 + rows_g < end, gate / (1.0 + gl.exp(-gate)) * up, 0.0)
+        act = gl.expand_dims(gl.convert_layout(act, gl.SliceLayout(1, LD)), 1)
+        out += gl.sum(down_w.to(gl.float32) * act, axis=0)
+        gate_w = next_gate
+        up_w = next_up
+    gl.atomic_add(sum_ptr + cols_d, out, sem="relaxed")
 
 
 def usable(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
@@ -163,7 +169,7 @@ def decode_mlp_gluon(
     assert out_sum.data_ptr() != next_sum.data_ptr(), "a layer's sum is not the next one's"
     new_residual = torch.empty_like(residual)
     rows = triton.cdiv(inter, num_sms(x.device))
-    _decode_mlp_gluon_kernel[(triton.cdiv(inter, rows),)](
+    _jitted()[(triton.cdiv(inter, rows),)](
         x, residual, new_residual, norm_weight, eps, w_gate_up, w_down_t, out_sum, next_sum, hidden, inter, rows,
         NW=NUM_WARPS, num_warps=NUM_WARPS, **pdl_launch_args(x.device),
     )
