@@ -21,7 +21,7 @@ sum vary from run to run (about one fp32 rounding; the rounding to 16 bits mostl
 On an H200, llama-3.2-1b's MLP in graph replays of 16 layers: 29.5 us against 31.6-32.3 for the norm
 kernel, cuBLAS's gate/up and the skinny down with SiLU-and-mul (benchmarks/KERNELS.md, session 19).
 For H = 2,048 decode_mlp() takes kernels/decode_mlp_gluon.py's persistent kernel instead where its
-start-up check passed (28.2 against 30.1 us: this kernel's 512 programs run two an SM, in two waves).
+start-up check passed (28.1 against 30.1 us: this kernel's 512 programs run two an SM, in two waves).
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ once (fp32 atomics: P adds of [H], where kernels/decode_mlp.py's 512 programs ad
 
 Why: kernels/decode_mlp.py's 512 programs of 16 rows take 250 registers a thread, two programs an SM
 in two waves, so the SMs end unevenly; here every SM streams the same bytes in one program (graph
-replays of 16 layers of llama-3.2-1b on an H200: 28.2 against 30.1 us a layer; KERNELS.md,
-session 20). A Triton kernel cannot put a block's rows in one thread for the down product's sum
+replays of 16 layers of llama-3.2-1b on an H200: 28.1 against 30.1 us a layer, W-decode1 0.863
+against 0.900 ms a token; KERNELS.md, session 20). A Triton kernel cannot put a block's rows in one thread for the down product's sum
 (its layouts are the compiler's), which made such blocks slow there.
 
 Gluon is experimental: the kernel is compiled and checked against the Triton kernel once a device
