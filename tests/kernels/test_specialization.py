@@ -12,6 +12,9 @@ KERNELS = Path(__file__).resolve().parents[2] / "batchgen" / "kernels"
 INDEX_ARRAY = re.compile(r"(rows|lens|q_start|positions|slots|seeds|steps|temperatures)_ptr$")
 # its arrays of that kind are the decode graph's static buffers, which it writes
 STATIC_BUFFERS = {"_unpack_decode_kernel"}
+# Gluon kernels jitted at their first launch (kernels/decode_mlp_gluon.py: an experimental API must not
+# fail the import), with no do_not_specialize_on_alignment: an index array among their parameters fails
+LAZILY_JITTED = {"_decode_mlp_gluon_kernel"}
 
 
 def launched_kernels():
@@ -40,7 +43,7 @@ def test_index_arrays_are_not_specialized_on_alignment():
     assert len(kernels) >= 10
     missing = []
     for file, fn in kernels:
-        unaligned = unaligned_params(fn)
+        unaligned = set() if fn.name in LAZILY_JITTED else unaligned_params(fn)
         assert unaligned is not None, f"{file}: {fn.name} is not a triton.jit kernel"
         if fn.name in STATIC_BUFFERS:
             continue
