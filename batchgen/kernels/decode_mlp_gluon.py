@@ -14,8 +14,8 @@ once (fp32 atomics: P adds of [H], where kernels/decode_mlp.py's 512 programs ad
 Why: kernels/decode_mlp.py's 512 programs of 16 rows take 250 registers a thread, two programs an SM
 in two waves, so the SMs end unevenly; here every SM streams the same bytes in one program (graph
 replays of 16 layers of llama-3.2-1b on an H200: 28.1 against 30.1 us a layer, W-decode1 0.863
-against 0.900 ms a token; KERNELS.md, session 20). A Triton kernel cannot put a block's rows in one thread for the down product's sum
-(its layouts are the compiler's), which made such blocks slow there.
+against 0.900 ms a token; KERNELS.md, session 20). A Triton kernel cannot put a block's rows in one
+thread for the down product's sum (its layouts are the compiler's), which made such blocks slow there.
 
 Gluon is experimental: the kernel is compiled and checked against the Triton kernel once a device
 (`check`, at start-up, before any CUDA graph), and the engine takes it only where that passed.
@@ -166,7 +166,8 @@ def decode_mlp_gluon(
 ) -> torch.Tensor:
     """kernels/decode_mlp.decode_mlp_triton's contract (H = HIDDEN, 16-bit)."""
     inter, hidden = w_down_t.shape
-    assert hidden == HIDDEN and x.shape == residual.shape == (1, hidden) and x.is_contiguous() and residual.is_contiguous()
+    assert hidden == HIDDEN and x.shape == residual.shape == (1, hidden)
+    assert x.is_contiguous() and residual.is_contiguous()
     assert w_gate_up.shape == (2 * inter, hidden) and w_gate_up.is_contiguous() and w_down_t.is_contiguous()
     assert w_gate_up.dtype == w_down_t.dtype == residual.dtype == norm_weight.dtype
     assert out_sum.shape == next_sum.shape == (1, hidden) and out_sum.dtype == next_sum.dtype == torch.float32

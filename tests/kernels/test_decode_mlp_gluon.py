@@ -18,7 +18,8 @@ def test_decode_mlp_gluon(dtype, inter):
     x, residual, norm_weight, w_gate_up, w_down_t = _inputs(2048, inter, dtype, "cuda")
     out_sum = torch.full((1, 2048), 0.5, device="cuda")
     next_sum = torch.ones(1, 2048, device="cuda")
-    new_residual = decode_mlp_gluon.decode_mlp_gluon(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t, out_sum, next_sum)
+    new_residual = decode_mlp_gluon.decode_mlp_gluon(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t,
+                                                     out_sum, next_sum)
     want_sum, want_residual = decode_mlp_ref(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t)
     assert torch.equal(new_residual, want_residual)
     assert (next_sum == 0).all()
@@ -33,7 +34,8 @@ def test_decode_mlp_gluon_fp32_input():
     """x may be an fp32 sum (a split-K part): rounded to the residual's dtype first, as the reference does."""
     x, residual, norm_weight, w_gate_up, w_down_t = _inputs(2048, 1000, torch.bfloat16, "cuda", x_dtype=torch.float32)
     out_sum, next_sum = torch.zeros(1, 2048, device="cuda"), torch.zeros(1, 2048, device="cuda")
-    new_residual = decode_mlp_gluon.decode_mlp_gluon(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t, out_sum, next_sum)
+    new_residual = decode_mlp_gluon.decode_mlp_gluon(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t,
+                                                     out_sum, next_sum)
     want_sum, want_residual = decode_mlp_ref(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t)
     assert torch.equal(new_residual, want_residual)
     torch.testing.assert_close(out_sum, want_sum, rtol=2e-2, atol=2e-2 * want_sum.abs().max().item())
