@@ -165,8 +165,13 @@ def _decode_merge_kernel(
 _NUM_SMS: dict[int, int] = {}
 
 
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index ("cuda" alone: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def num_sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     if index not in _NUM_SMS:
         _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _NUM_SMS[index]

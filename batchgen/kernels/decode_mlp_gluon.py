@@ -29,7 +29,7 @@ import os
 import torch
 import triton
 
-from batchgen.kernels.decode_attention import num_sms
+from batchgen.kernels.decode_attention import device_index, num_sms
 from batchgen.kernels.pdl import pdl_launch_args
 
 try:
@@ -117,7 +117,7 @@ def _decode_mlp_gluon_kernel(
 
 def usable(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
     """Whether decode_mlp takes this kernel: `check` passed for the device and dtype, H = HIDDEN."""
-    return hidden == HIDDEN and device.type == "cuda" and _CHECKED.get((_index(device), dtype), False)
+    return hidden == HIDDEN and device.type == "cuda" and _CHECKED.get((device_index(device), dtype), False)
 
 
 def check(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
@@ -126,10 +126,8 @@ def check(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
     on random inputs (the same x + residual bit for bit, the sums within two bf16 roundings of the
     sum's scale). Any failure (an older or newer Gluon that does not compile it) leaves the Triton
     kernel in use. -> whether `usable` now says yes."""
-    if device.type != "cuda" or hidden != HIDDEN:
-        return False
-    key = (_index(device), dtype)
-    if key not in _CHECKED:
+    key = (device_index(device), dtype) if device.type == "cuda" and hidden == HIDDEN else None
+    if key is not None and key not in _CHECKED:
         _CHECKED[key] = _passes(device, dtype, hidden)
     return usable(device, dtype, hidden)
 
@@ -179,7 +177,3 @@ def decode_mlp_gluon(
         NW=NUM_WARPS, num_warps=NUM_WARPS, **pdl_launch_args(x.device),
     )
     return new_residual
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()

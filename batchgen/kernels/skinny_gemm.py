@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.decode_attention import device_index
 from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rmsnorm import add_residual, add_rmsnorm_ref, rmsnorm_ref
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref
@@ -69,8 +70,7 @@ def _tma_supported(device_index: int) -> bool:
 def tma_supported(device: torch.device) -> bool:
     """Whether one-row products on this device may read W through TMA descriptors (Hopper and later;
     off with BATCHGEN_SKINNY_TMA=0)."""
-    return device.type == "cuda" and _tma_supported(
-        device.index if device.index is not None else torch.cuda.current_device())
+    return device.type == "cuda" and _tma_supported(device_index(device))
 
 
 def tma_ok(weight: torch.Tensor) -> bool:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.decode_attention import num_sms
+from batchgen.kernels.decode_attention import device_index, num_sms
 from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref
 from batchgen.kernels.skinny_gemm import TensorDescriptor, tma_ok
@@ -107,8 +107,7 @@ def _supported(device_index: int) -> bool:
 def tile_gemm_supported(device: torch.device) -> bool:
     """Whether decode products may take this kernel: a Hopper or datacenter Blackwell GPU (TMA, shared
     memory for the tiles' stages), Triton with host-side descriptors; off with BATCHGEN_TILE_GEMM=0."""
-    return device.type == "cuda" and _supported(
-        device.index if device.index is not None else torch.cuda.current_device())
+    return device.type == "cuda" and _supported(device_index(device))
 
 
 def pick_tile(m: int, n_out: int, k: int, silu_mul_out: bool, parts_ok: bool = False, sms: int = 132) -> Tile | None:
