@@ -2,23 +2,34 @@
 Gluon, Triton's dialect with explicit layouts, where the installed Triton has it and a start-up check
 passed (`check`), for H = 2,048 (llama-3.2-1b's: the shape measured).
 
-    P = the SM count;  program p owns the intermediate rows [p R, (p + 1) R), R = ceil(I / P)
+    P = min(the SM count, I / BJ);  program p owns the blocks p, p + P, p + 2P, ... of BJ = 8 rows
 
-Program p walks its rows in blocks of BJ = 8 (one row a warp), the next block's gate/up rows in
-flight while this block's are summed; gate and up are each a warp's sum over its row, SiLU-and-mul
-gives the block's 8 activations, and the block's 8 rows of W_down^T are read with all 8 rows of a
-column group in one thread, so the down product's sum over the block stays in the thread. The
-program's [H] share of the down product stays in registers over its blocks and is added into `sum`
-once (fp32 atomics: P adds of [H], where kernels/decode_mlp.py's 512 programs add 512).
+Every block is three tiles [BJ, H]: its gate rows, its up rows and its rows of W_down^T. TMA copies
+the tiles into a ring of TILES = 7 slots of shared memory, one mbarrier a slot: the program issues
+its first 7 tiles before the PDL wait (weights depend on no kernel) and refills each slot as soon as
+all warps have read it, so ~2 blocks stay in flight while a block is summed.
+Gate and up are each a warp's sum over its row (one row a warp), SiLU-and-mul gives the block's 8
+activations, and the W_down^T tile is read with all 8 rows of a column group in one thread, so the
+down product's sum over the block stays in the thread. The program's [H] share of the down product
+stays in registers over its blocks and is added into `sum` once (fp32 atomics: P adds of [H], where
+kernels/decode_mlp.py's 512 programs add 512).
 
-Why: kernels/decode_mlp.py's 512 programs of 16 rows take 250 registers a thread, two programs an SM
-in two waves, so the SMs end unevenly; here every SM streams the same bytes in one program (graph
-replays of 16 layers of llama-3.2-1b on an H200: 28.1 against 30.1 us a layer, W-decode1 0.863
-against 0.900 ms a token; KERNELS.md, session 20). A Triton kernel cannot put a block's rows in one
-thread for the down product's sum (its layouts are the compiler's), which made such blocks slow there.
+Why this shape (graph replays of 16 layers of llama-3.2-1b, H200; KERNELS.md, sessions 20 and 21):
+- kernels/decode_mlp.py's 512 programs of 16 rows take 250 registers a thread, two programs an SM in
+  two waves, so the SMs end unevenly (30.1 us a layer);
+- one program an SM with the next block's rows in registers (session 20's form) took 28.1 us: its
+  loads in flight were what registers hold; a ring of 6 tiles (2 blocks, 159 registers) took 26.5 us,
+  7 tiles refilled a tile at a time 26.2 us;
+- blocks dealt round-robin (p, p + P, ...) rather than a contiguous range a program: at any moment
+  the SMs read neighbouring rows (a ring of 2 blocks: 26.7 against 27.2 us);
+- the ring's bound, TMA loads alone: 24.3 us; a plain stream of the same bytes: 23.4 us.
+W-decode1: 0.829 ms a token, against 0.868 with session 20's form and 0.904 with the Triton kernel.
+A Triton kernel cannot put a block's rows in one thread for the down product's sum (its layouts are
+the compiler's), which made such blocks slow there.
 
 Gluon is experimental: the kernel is compiled and checked against the Triton kernel once a device
-(`check`, at start-up, before any CUDA graph), and the engine takes it only where that passed.
+(`check`, at start-up, before any CUDA graph), and the engine takes it only where that passed (one
+that fails to compile, e.g. on a GPU with less shared memory, leaves the Triton kernel).
 BATCHGEN_GLUON_MLP=0 turns it off.
 """
 from __future__ import annotations
@@ -35,12 +46,23 @@ from batchgen.kernels.pdl import pdl_launch_args
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.language.extra import cuda as cuda_extra
+
+    # (Triton 3.6's names, renamed later)
+    cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+    tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 except Exception:  # noqa: BLE001 (a Triton without Gluon, or with another one: the Triton kernel)
     gluon = None
 
 HIDDEN = 2048  # H taken: 256 columns a warp-row times NUM_WARPS, one column group a thread
 NUM_WARPS = 8  # = BJ, the rows of a block (one a warp)
+# The shared-memory ring, in tiles of [BJ, H] (32 KB at 16 bits): 7 fill 224 of an H100's or H200's 227 KB
+# a block (W-decode1 0.832 against 0.845 ms a token with 6, each block's refilled together; H200,
+# KERNELS.md session 21)
+TILES = 7
+TMA_COLS = 256  # a weight row is read as H / 256 rows of 256 (a TMA box side is at most 256)
 _CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> check passed
 
 
@@ -48,13 +70,55 @@ _CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> c
 def _jitted():
     """The kernel, jitted at its first launch (in `check`'s try): an experimental API that another
     Triton may reject must not fail the import of batchgen."""
-    return gluon.jit(do_not_specialize=["eps", "rows_per_program"])(_decode_mlp_gluon_kernel)
+    for helper in (_issue_tile, _refill, _slot_rows):  # (the kernel's helpers, jitted alongside)
+        globals()[helper.__name__] = gluon.jit(helper)
+    return gluon.jit(do_not_specialize=["eps"])(_decode_mlp_gluon_kernel)
+
+
+def _issue_tile(gate_desc, up_desc, down_desc, ring, bars, b, T: gl.constexpr, NT: gl.constexpr, pid, P, blocks):
+    """The TMA load of tile 3 b + T (the program's block b + T // 3; its gate, up or W_down^T rows as T
+    % 3 is 0, 1 or 2) into ring slot (3 b + T) % NT, counted on that slot's barrier; none past the
+    program's last block."""
+    k = b + T // 3
+    slot = (3 * b + T) % NT
+    bar = bars.index(slot)
+    pred = k < blocks
+    mbarrier.expect(bar, gate_desc.block_type.nbytes, pred=pred)
+    coord = (pid + k * P) * gate_desc.block_type.shape[0]  # block pid + k P: BJ weight rows, 8 BJ of the view
+    if T % 3 == 0:
+        tma_load(gate_desc, [coord, 0], bar, ring.index(slot), pred=pred)
+    elif T % 3 == 1:
+        tma_load(up_desc, [coord, 0], bar, ring.index(slot), pred=pred)
+    else:
+        tma_load(down_desc, [coord, 0], bar, ring.index(slot), pred=pred)
+
+
+def _refill(gate_desc, up_desc, down_desc, ring, bars, b, T: gl.constexpr, NT: gl.constexpr, pid, P, blocks):
+    """Once every warp has read tile 3 b + T - NT, its slot's next tile 3 b + T (the reads ordered
+    before the TMA's writes: a CTA barrier, then the async proxy's fence)."""
+    cta_barrier()
+    fence_async_shared()
+    _issue_tile(gate_desc, up_desc, down_desc, ring, bars, b, T, NT, pid, P, blocks)
+
+
+def _slot_rows(ring, bars, t, NT: gl.constexpr, BJ: gl.constexpr, HC: gl.constexpr):
+    """Tile t once it has landed: ring slot t % NT, a TMA box of [BJ H / 256, 256] unswizzled, as the
+    row-major [BJ, H] it also is."""
+    mbarrier.wait(bars.index(t % NT), (t // NT) & 1)
+    ROW_MAJOR: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    slot = ring.index(t % NT)
+    if hasattr(slot, "reinterpret"):  # (Triton 3.6's name: _reinterpret)
+        rows = slot.reinterpret(slot.dtype, [BJ, HC], ROW_MAJOR)
+    else:
+        rows = slot._reinterpret(slot.dtype, [BJ, HC], ROW_MAJOR)
+    return rows
 
 
 def _decode_mlp_gluon_kernel(
-    x_ptr, res_ptr, new_res_ptr, norm_w_ptr, eps, w_gate_up_ptr, w_down_t_ptr, sum_ptr, next_sum_ptr,
-    H, I, rows_per_program,  # (arguments as kernels/decode_mlp.py's; R = rows_per_program)
+    x_ptr, res_ptr, new_res_ptr, norm_w_ptr, eps, gate_desc, up_desc, down_desc, sum_ptr, next_sum_ptr,
+    H, I,  # (arguments as kernels/decode_mlp.py's)
     NW: gl.constexpr,  # warps = rows of a block
+    NT: gl.constexpr,  # tiles in the shared-memory ring
     PDL: gl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     BJ: gl.constexpr = NW
@@ -63,55 +127,50 @@ def _decode_mlp_gluon_kernel(
     LG: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     # W_down^T blocks [BJ, H]: every row of 8 contiguous columns in one thread
     LD: gl.constexpr = gl.BlockedLayout([BJ, 8], [1, 32], [1, NW], [1, 0])
+    dtype: gl.constexpr = gate_desc.dtype
+    ring = gl.allocate_shared_memory(dtype, [NT] + gate_desc.block_type.shape, gate_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NT, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NT):
+        mbarrier.init(bars.index(i), count=1)
+    cta_barrier()
     pid = gl.program_id(0)
-    start = pid * rows_per_program
-    end = gl.minimum(start + rows_per_program, I)
-    rows_g = gl.arange(0, BJ, layout=gl.SliceLayout(1, LG))
-    cols_g = gl.arange(0, HC, layout=gl.SliceLayout(0, LG))
-    rows_d = gl.arange(0, BJ, layout=gl.SliceLayout(1, LD))
-    cols_d = gl.arange(0, HC, layout=gl.SliceLayout(0, LD))
-    # (full-shape masks, rows and columns: with the rows' mask broadcast over the columns the kernel took
-    # 29.5 against 28.1 us a layer, with as many 16-byte loads in its PTX; KERNELS.md, session 20)
-    cols_g_ok = gl.expand_dims(cols_g < H, 0)
-    cols_d_ok = gl.expand_dims(cols_d < H, 0)
-    j = start + rows_g
-    offs = gl.expand_dims(j.to(gl.int64) * H, 1) + gl.expand_dims(cols_g, 0)
-    mask = gl.expand_dims(j < end, 1) & cols_g_ok
-    gate_w = gl.load(w_gate_up_ptr + offs, mask=mask, other=0.0)  # the first block before the PDL wait
-    up_w = gl.load(w_gate_up_ptr + I * H + offs, mask=mask, other=0.0)
+    P = gl.num_programs(0)
+    blocks = gl.cdiv(gl.cdiv(I, BJ) - pid, P)  # the program's blocks: pid, pid + P, ... (BJ rows each)
+    for T in gl.static_range(NT):  # the first tiles before the PDL wait (weights: no dependency)
+        _issue_tile(gate_desc, up_desc, down_desc, ring, bars, 0, T, NT, pid, P, blocks)
     if PDL:  # kernels/pdl.py's wait_for_prior_kernels
         cuda_extra.gdc_wait()
         cuda_extra.gdc_launch_dependents()
 
+    rows_g = gl.arange(0, BJ, layout=gl.SliceLayout(1, LG))
+    cols_g = gl.arange(0, HC, layout=gl.SliceLayout(0, LG))
+    cols_d = gl.arange(0, HC, layout=gl.SliceLayout(0, LD))
     # the row (in every warp), its statistics and the normed row, once a program
     r = gl.load(res_ptr + cols_g)
     summed = (gl.load(x_ptr + cols_g).to(r.dtype).to(gl.float32) + r.to(gl.float32)).to(r.dtype)
-    if pid == 0:
-        gl.store(new_res_ptr + cols_d, gl.convert_layout(summed, gl.SliceLayout(0, LD)))
-        gl.store(next_sum_ptr + cols_d, gl.zeros([HC], gl.float32, gl.SliceLayout(0, LD)))
+    if pid == 0:  # (in the row's own layout: no shared-memory scratch, the ring takes it all)
+        gl.store(new_res_ptr + cols_g, summed)
+        gl.store(next_sum_ptr + cols_g, gl.zeros([HC], gl.float32, gl.SliceLayout(0, LG)))
     sf = summed.to(gl.float32)
     rstd = 1.0 / gl.sqrt(gl.sum(sf * sf, axis=0) / H + eps)
     w = gl.load(norm_w_ptr + cols_g).to(gl.float32)
     normed = gl.expand_dims(((sf * rstd).to(r.dtype).to(gl.float32) * w).to(r.dtype).to(gl.float32), 0)
 
     out = gl.zeros([HC], gl.float32, gl.SliceLayout(0, LD))  # this program's share of the down product
-    for b0 in range(start, end, BJ):
-        j_next = b0 + BJ + rows_g
-        offs_next = gl.expand_dims(j_next.to(gl.int64) * H, 1) + gl.expand_dims(cols_g, 0)
-        mask_next = gl.expand_dims(j_next < end, 1) & cols_g_ok
-        next_gate = gl.load(w_gate_up_ptr + offs_next, mask=mask_next, other=0.0)  # in flight meanwhile
-        next_up = gl.load(w_gate_up_ptr + I * H + offs_next, mask=mask_next, other=0.0)
-        j_d = b0 + rows_d
-        down_w = gl.load(w_down_t_ptr + gl.expand_dims(j_d.to(gl.int64) * H, 1) + gl.expand_dims(cols_d, 0),
-                         mask=gl.expand_dims(j_d < end, 1) & cols_d_ok, other=0.0)
-        dtype = gate_w.dtype
+    for b in range(blocks):
+        # each slot refilled as soon as every warp has read it (W-decode1 0.829 against 0.834 ms a token
+        # with the block's three refilled together; H200, KERNELS.md session 21)
+        gate_w = _slot_rows(ring, bars, 3 * b, NT, BJ, HC).load(LG)
+        _refill(gate_desc, up_desc, down_desc, ring, bars, b, NT, NT, pid, P, blocks)
+        up_w = _slot_rows(ring, bars, 3 * b + 1, NT, BJ, HC).load(LG)
+        _refill(gate_desc, up_desc, down_desc, ring, bars, b, NT + 1, NT, pid, P, blocks)
+        down_w = _slot_rows(ring, bars, 3 * b + 2, NT, BJ, HC).load(LD)
+        _refill(gate_desc, up_desc, down_desc, ring, bars, b, NT + 2, NT, pid, P, blocks)
         gate = gl.sum(gate_w.to(gl.float32) * normed, axis=1).to(dtype).to(gl.float32)  # rounded as a product's
         up = gl.sum(up_w.to(gl.float32) * normed, axis=1).to(dtype).to(gl.float32)
-        act = gl.where(b0 + rows_g < end, gate / (1.0 + gl.exp(-gate)) * up, 0.0)
+        act = gl.where((pid + b * P) * BJ + rows_g < I, gate / (1.0 + gl.exp(-gate)) * up, 0.0)
         act = gl.expand_dims(gl.convert_layout(act, gl.SliceLayout(1, LD)), 1)
         out += gl.sum(down_w.to(gl.float32) * act, axis=0)
-        gate_w = next_gate
-        up_w = next_up
     gl.atomic_add(sum_ptr + cols_d, out, sem="relaxed")
 
 
@@ -171,9 +230,19 @@ def decode_mlp_gluon(
     assert out_sum.shape == next_sum.shape == (1, hidden) and out_sum.dtype == next_sum.dtype == torch.float32
     assert out_sum.data_ptr() != next_sum.data_ptr(), "a layer's sum is not the next one's"
     new_residual = torch.empty_like(residual)
-    rows = triton.cdiv(inter, num_sms(x.device))
-    _jitted()[(triton.cdiv(inter, rows),)](
-        x, residual, new_residual, norm_weight, eps, w_gate_up, w_down_t, out_sum, next_sum, hidden, inter, rows,
-        NW=NUM_WARPS, num_warps=NUM_WARPS, **pdl_launch_args(x.device),
+    gate_desc, up_desc, down_desc = _descriptors(w_gate_up, w_down_t)
+    _jitted()[(min(num_sms(x.device), triton.cdiv(inter, NUM_WARPS)),)](
+        x, residual, new_residual, norm_weight, eps, gate_desc, up_desc, down_desc, out_sum, next_sum, hidden, inter,
+        NW=NUM_WARPS, NT=TILES, num_warps=NUM_WARPS, **pdl_launch_args(x.device),
     )
     return new_residual
+
+
+def _descriptors(w_gate_up: torch.Tensor, w_down_t: torch.Tensor):
+    """TMA descriptors of the gate rows, the up rows and W_down^T, each viewed as rows of 256 (a block
+    of BJ weight rows is one box of [8 BJ, 256]: one contiguous 32 KB, unswizzled in shared memory)."""
+    inter = w_down_t.shape[0]
+    box = [HIDDEN // TMA_COLS * NUM_WARPS, TMA_COLS]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * w_down_t.element_size(), rank=2)
+    return tuple(TensorDescriptor.from_tensor(w.reshape(-1, TMA_COLS), box, layout)
+                 for w in (w_gate_up[:inter], w_gate_up[inter:], w_down_t))

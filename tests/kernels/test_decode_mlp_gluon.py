@@ -86,3 +86,17 @@ def test_never_taken_off_the_gpu():
     decode_mlp(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t, out_sum, next_sum)
     torch.testing.assert_close(out_sum, decode_mlp_ref(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t)[0])
     assert (next_sum == 0).all()
+
+
+@needs_gluon
+def test_descriptors_read_each_matrix_as_rows_of_256():
+    """The TMA descriptors: gate rows, up rows and W_down^T, each a [8 I, 256] view of its rows (a weight
+    row is 8 rows of the view), boxes of one block (8 weight rows, 32 KB at 16 bits), unswizzled."""
+    inter = 40
+    w_gate_up = torch.zeros(2 * inter, 2048, dtype=torch.bfloat16)
+    w_down_t = torch.zeros(inter, 2048, dtype=torch.bfloat16)
+    gate, up, down = decode_mlp_gluon._descriptors(w_gate_up, w_down_t)
+    for desc, base in ((gate, w_gate_up), (up, w_gate_up[inter:]), (down, w_down_t)):
+        assert desc.base.data_ptr() == base.data_ptr()
+        assert list(desc.shape) == [8 * inter, 256] and list(desc.strides) == [256, 1]
+        assert list(desc.block_shape) == [64, 256] and desc.layout.swizzle_byte_width == 0
