@@ -27,10 +27,17 @@ W-decode1: 0.829 ms a token, against 0.868 with session 20's form and 0.904 with
 A Triton kernel cannot put a block's rows in one thread for the down product's sum (its layouts are
 the compiler's), which made such blocks slow there.
 
+The same ring serves one-row products x [1, H] @ W^T whose W fits it whole (at most TILES blocks of 8
+rows an SM: llama-3.2-1b's o, 8 MB): `row_product_gluon`, which kernels/skinny_gemm.skinny_gemm takes
+where `row_product_takes` says so. Its programs issue their every tile before the PDL wait, while the
+attention before them runs, whose programs leave the SM's shared memory free (3.3 against 3.7 us a
+product alone, W-decode1 0.820 / 0.821 against 0.825 / 0.825 ms; H200, KERNELS.md session 21).
+
 Gluon is experimental: the kernel is compiled and checked against the Triton kernel once a device
 (`check`, at start-up, before any CUDA graph), and the engine takes it only where that passed (one
 that fails to compile, e.g. on a GPU with less shared memory, leaves the Triton kernel).
-BATCHGEN_GLUON_MLP=0 turns it off.
+BATCHGEN_GLUON_MLP=0 turns it off (BATCHGEN_GLUON_ROW=0 the row product, whose check runs at its first
+call outside CUDA graph capture: the engine's warm-up).
 """
 from __future__ import annotations
 
@@ -70,9 +77,15 @@ _CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> c
 def _jitted():
     """The kernel, jitted at its first launch (in `check`'s try): an experimental API that another
     Triton may reject must not fail the import of batchgen."""
-    for helper in (_issue_tile, _refill, _slot_rows):  # (the kernel's helpers, jitted alongside)
+    for helper in (_issue_tile, _refill, _slot_rows, _issue_row_tile):  # (the kernels' helpers, jitted alongside)
         globals()[helper.__name__] = gluon.jit(helper)
     return gluon.jit(do_not_specialize=["eps"])(_decode_mlp_gluon_kernel)
+
+
+@functools.cache
+def _jitted_row_product():
+    _jitted()
+    return gluon.jit(_row_product_gluon_kernel)
 
 
 def _issue_tile(gate_desc, up_desc, down_desc, ring, bars, b, T: gl.constexpr, NT: gl.constexpr, pid, P, blocks):
@@ -172,6 +185,101 @@ def _decode_mlp_gluon_kernel(
         act = gl.expand_dims(gl.convert_layout(act, gl.SliceLayout(1, LD)), 1)
         out += gl.sum(down_w.to(gl.float32) * act, axis=0)
     gl.atomic_add(sum_ptr + cols_d, out, sem="relaxed")
+
+
+def _issue_row_tile(w_desc, ring, bars, k, NT: gl.constexpr, pid, P, blocks):
+    """The TMA load of the program's block k (rows (pid + k P) BJ + [0, BJ) of W) into slot k % NT."""
+    slot = k % NT
+    bar = bars.index(slot)
+    pred = k < blocks
+    mbarrier.expect(bar, w_desc.block_type.nbytes, pred=pred)
+    tma_load(w_desc, [(pid + k * P) * w_desc.block_type.shape[0], 0], bar, ring.index(slot), pred=pred)
+
+
+def _row_product_gluon_kernel(x_ptr, w_desc, y_ptr, N, NW: gl.constexpr, NT: gl.constexpr, PDL: gl.constexpr):
+    """y [N] = W [N, H] @ x [H] (fp32 sums, rounded once to y's dtype): blocks of BJ = NW rows (a row a
+    warp) dealt round-robin over the programs, through a ring of NT tiles of which the program issues
+    all it can before its PDL wait (for the weights where NT covers a program's every block)."""
+    BJ: gl.constexpr = NW
+    HC: gl.constexpr = 256 * NW  # == H
+    LG: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    ring = gl.allocate_shared_memory(w_desc.dtype, [NT] + w_desc.block_type.shape, w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NT, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NT):
+        mbarrier.init(bars.index(i), count=1)
+    cta_barrier()
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    blocks = gl.cdiv(gl.cdiv(N, BJ) - pid, P)
+    for k in gl.static_range(NT):
+        _issue_row_tile(w_desc, ring, bars, k, NT, pid, P, blocks)
+    if PDL:
+        cuda_extra.gdc_wait()
+        cuda_extra.gdc_launch_dependents()
+    rows = gl.arange(0, BJ, layout=gl.SliceLayout(1, LG))
+    x = gl.expand_dims(gl.load(x_ptr + gl.arange(0, HC, layout=gl.SliceLayout(0, LG))).to(gl.float32), 0)
+    for b in range(blocks):
+        w = _slot_rows(ring, bars, b, NT, BJ, HC).load(LG)
+        cta_barrier()
+        fence_async_shared()
+        _issue_row_tile(w_desc, ring, bars, b + NT, NT, pid, P, blocks)
+        n = (pid + b * P) * BJ + rows
+        gl.store(y_ptr + n, gl.sum(w.to(gl.float32) * x, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+_ROW_CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> the row product's check passed
+
+
+def row_product_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a one-row product x [1, H] @ W^T goes to row_product_gluon: H = HIDDEN, 16-bit, a weight
+    whose every block fits the ring (at most TILES blocks of 8 rows an SM: llama-3.2-1b's o), and the
+    check passed (run here, once a device and dtype, outside CUDA graph capture)."""
+    n, k = weight.shape
+    if not (x.is_cuda and k == HIDDEN and x.shape == (1, k) and weight.dtype == x.dtype
+            and x.dtype in (torch.float16, torch.bfloat16) and x.is_contiguous() and weight.is_contiguous()
+            and triton.cdiv(n, NUM_WARPS) <= TILES * num_sms(x.device)):
+        return False
+    key = (device_index(x.device), x.dtype)
+    if key not in _ROW_CHECKED:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _ROW_CHECKED[key] = _row_passes(x.device, x.dtype)
+    return _ROW_CHECKED[key]
+
+
+def _row_passes(device: torch.device, dtype: torch.dtype) -> bool:
+    """Compiled and compared with the skinny kernel on random inputs (within 1e-4 of the scale: fp32
+    sums in another order); any failure leaves the skinny kernel."""
+    if (gluon is None or os.environ.get("BATCHGEN_GLUON_ROW", "1") == "0"
+            or torch.cuda.get_device_capability(device)[0] < 9):
+        return False
+    from batchgen.kernels.skinny_gemm import skinny_gemm_triton
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1, HIDDEN, generator=gen, device=device).to(dtype)
+    w = (torch.randn(1000, HIDDEN, generator=gen, device=device) * HIDDEN**-0.5).to(dtype)
+    try:
+        got = row_product_gluon(x, w, torch.float32)
+        want = skinny_gemm_triton(x, w, out_dtype=torch.float32)
+        torch.cuda.synchronize(device)
+    except Exception:  # noqa: BLE001 (a Gluon that cannot compile or run it: the skinny kernel stays)
+        return False
+    return bool(torch.allclose(got, want, rtol=0.0, atol=1e-4 * want.abs().max().item()))
+
+
+def row_product_gluon(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, H] @ weight [N, H]^T -> [1, N] in out_dtype (default x's), into out when given; the ring
+    sized to the program's blocks (at most TILES)."""
+    n = weight.shape[0]
+    y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device) if out is None else out
+    blocks = triton.cdiv(n, NUM_WARPS)
+    programs = min(num_sms(x.device), blocks)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * weight.element_size(), rank=2)
+    box = [HIDDEN // TMA_COLS * NUM_WARPS, TMA_COLS]
+    desc = TensorDescriptor.from_tensor(weight.reshape(-1, TMA_COLS), box, layout)
+    _jitted_row_product()[(programs,)](x, desc, y, n, NW=NUM_WARPS, NT=min(TILES, triton.cdiv(blocks, programs)),
+                                       num_warps=NUM_WARPS, **pdl_launch_args(x.device))
+    return y
 
 
 def usable(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:

@@ -25,7 +25,9 @@ program's pass over x for the statistics came before its stream (W-decode1 0.745
 On an H200 (KERNELS.md, session 16), one row, graph replays, us: qwen2.5-0.5b's gate/up 5.7 against
 8.2 (plain loads) and 7.2 (cuBLAS), its LM head 61 against 74 and 65; W-decode1 0.705 against 0.776
 ms a token. llama-3.2-1b's products (K = 2048, 8192) were 2-12% faster alone through TMA and no faster
-in the engine (its gate/up slower), so K > 1024 keeps the other paths.
+in the engine (its gate/up slower), so K > 1024 keeps the other paths. skinny_gemm() sends one-row
+products with K = 2,048 whose weight fits a shared-memory ring whole (llama-3.2-1b's o) to
+kernels/decode_mlp_gluon.row_product_gluon instead, where its check passed.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels import decode_mlp_gluon
 from batchgen.kernels.decode_attention import device_index
 from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rmsnorm import add_residual, add_rmsnorm_ref, rmsnorm_ref
@@ -399,6 +402,8 @@ def skinny_gemm(
     out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if x.is_cuda:
+        if bias is None and not silu_mul and decode_mlp_gluon.row_product_takes(x, weight):
+            return decode_mlp_gluon.row_product_gluon(x, weight, out_dtype, out)
         return skinny_gemm_triton(x, weight, bias, silu_mul, out_dtype, out=out)
     y = skinny_gemm_ref(x, weight, bias, silu_mul, out_dtype)
     if out is None:

@@ -100,3 +100,52 @@ def test_descriptors_read_each_matrix_as_rows_of_256():
         assert desc.base.data_ptr() == base.data_ptr()
         assert list(desc.shape) == [8 * inter, 256] and list(desc.strides) == [256, 1]
         assert list(desc.block_shape) == [64, 256] and desc.layout.swizzle_byte_width == 0
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [2048, 1000, 40])  # llama-3.2-1b's o; partial blocks; fewer blocks than SMs
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_row_product_gluon(dtype, n, out_dtype):
+    """The one-row product through the ring against fp32 products rounded once (skinny_gemm_ref)."""
+    from batchgen.kernels.skinny_gemm import skinny_gemm_ref
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(1, 2048, generator=gen, device="cuda").to(dtype)
+    w = (torch.randn(n, 2048, generator=gen, device="cuda") * 2048**-0.5).to(dtype)
+    got = decode_mlp_gluon.row_product_gluon(x, w, out_dtype)
+    want = skinny_gemm_ref(x, w, out_dtype=out_dtype)
+    assert got.dtype == want.dtype and got.shape == (1, n)
+    # fp32 sums in another order: a 16-bit rounding may flip
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@needs_gluon
+def test_skinny_gemm_takes_the_row_product_where_it_fits(monkeypatch):
+    """skinny_gemm sends a one-row product with H = 2048 rows and at most TILES blocks an SM to the
+    Gluon kernel once its check passed; not an LM head's, not with BATCHGEN_GLUON_ROW=0."""
+    from batchgen.kernels.skinny_gemm import skinny_gemm
+    launches = []
+    real = decode_mlp_gluon.row_product_gluon
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    o, head = (torch.randn(n, 2048, device="cuda", dtype=torch.bfloat16) * 0.02 for n in (2048, 128256))
+    monkeypatch.setattr(decode_mlp_gluon, "_ROW_CHECKED", {})
+    monkeypatch.setenv("BATCHGEN_GLUON_ROW", "0")
+    assert not decode_mlp_gluon.row_product_takes(x, o)
+    monkeypatch.setattr(decode_mlp_gluon, "_ROW_CHECKED", {})
+    monkeypatch.delenv("BATCHGEN_GLUON_ROW")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the Gluon kernels are taken on Hopper and later")
+    assert decode_mlp_gluon.row_product_takes(x, o)  # (its check, with the real kernel)
+    monkeypatch.setattr(decode_mlp_gluon, "row_product_gluon", lambda *a: launches.append(1) or real(*a))
+    torch.testing.assert_close(skinny_gemm(x, o).float(), (x.float() @ o.float().t()), rtol=1e-2, atol=1e-2)
+    assert launches == [1]
+    skinny_gemm(x, head, out_dtype=torch.float32)  # too many blocks for the ring: the skinny kernel
+    skinny_gemm(torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16), o)  # two rows: the skinny kernel
+    assert launches == [1]
+
+
+def test_row_product_never_taken_off_the_gpu():
+    x, w = torch.randn(1, 2048), torch.randn(2048, 2048)
+    assert not decode_mlp_gluon.row_product_takes(x.bfloat16(), w.bfloat16())
