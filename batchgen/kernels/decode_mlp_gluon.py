@@ -77,7 +77,7 @@ _CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> c
 def _jitted():
     """The kernel, jitted at its first launch (in `check`'s try): an experimental API that another
     Triton may reject must not fail the import of batchgen."""
-    for helper in (_issue_tile, _refill, _slot_rows, _issue_row_tile):  # (the kernels' helpers, jitted alongside)
+    for helper in (_ring, _issue_tile, _refill, _slot_rows, _issue_row_tile):  # (the kernels' helpers, jitted alongside)
         globals()[helper.__name__] = gluon.jit(helper)
     return gluon.jit(do_not_specialize=["eps"])(_decode_mlp_gluon_kernel)
 
@@ -86,6 +86,17 @@ def _jitted():
 def _jitted_row_product():
     _jitted()
     return gluon.jit(_row_product_gluon_kernel)
+
+
+def _ring(desc, NT: gl.constexpr):
+    """NT slots of desc's box in shared memory, and an mbarrier a slot (initialized: one arrival, the
+    TMA's byte count)."""
+    ring = gl.allocate_shared_memory(desc.dtype, [NT] + desc.block_type.shape, desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NT, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NT):
+        mbarrier.init(bars.index(i), count=1)
+    cta_barrier()
+    return ring, bars
 
 
 def _issue_tile(gate_desc, up_desc, down_desc, ring, bars, b, T: gl.constexpr, NT: gl.constexpr, pid, P, blocks):
@@ -141,11 +152,7 @@ def _decode_mlp_gluon_kernel(
     # W_down^T blocks [BJ, H]: every row of 8 contiguous columns in one thread
     LD: gl.constexpr = gl.BlockedLayout([BJ, 8], [1, 32], [1, NW], [1, 0])
     dtype: gl.constexpr = gate_desc.dtype
-    ring = gl.allocate_shared_memory(dtype, [NT] + gate_desc.block_type.shape, gate_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [NT, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NT):
-        mbarrier.init(bars.index(i), count=1)
-    cta_barrier()
+    ring, bars = _ring(gate_desc, NT)
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     blocks = gl.cdiv(gl.cdiv(I, BJ) - pid, P)  # the program's blocks: pid, pid + P, ... (BJ rows each)
@@ -203,11 +210,7 @@ def _row_product_gluon_kernel(x_ptr, w_desc, y_ptr, N, NW: gl.constexpr, NT: gl.
     BJ: gl.constexpr = NW
     HC: gl.constexpr = 256 * NW  # == H
     LG: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-    ring = gl.allocate_shared_memory(w_desc.dtype, [NT] + w_desc.block_type.shape, w_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [NT, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NT):
-        mbarrier.init(bars.index(i), count=1)
-    cta_barrier()
+    ring, bars = _ring(w_desc, NT)
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     blocks = gl.cdiv(gl.cdiv(N, BJ) - pid, P)
