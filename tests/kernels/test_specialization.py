@@ -14,7 +14,7 @@ INDEX_ARRAY = re.compile(r"(rows|lens|q_start|positions|slots|seeds|steps|temper
 STATIC_BUFFERS = {"_unpack_decode_kernel"}
 # Gluon kernels jitted at their first launch (kernels/decode_mlp_gluon.py: an experimental API must not
 # fail the import), with no do_not_specialize_on_alignment: an index array among their parameters fails
-LAZILY_JITTED = {"_decode_mlp_gluon_kernel"}
+LAZILY_JITTED = {"_decode_mlp_gluon_kernel", "_row_product_gluon_kernel"}
 
 
 def launched_kernels():
