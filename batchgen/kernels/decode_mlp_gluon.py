@@ -75,15 +75,16 @@ _CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> c
 
 @functools.cache
 def _jitted():
-    """The kernel, jitted at its first launch (in `check`'s try): an experimental API that another
-    Triton may reject must not fail the import of batchgen."""
-    for helper in (_ring, _issue_tile, _refill, _slot_rows, _issue_row_tile):  # (the kernels' helpers, jitted alongside)
+    """The MLP kernel and the helpers of both kernels, jitted at their first launch (in the checks'
+    try): an experimental API that another Triton may reject must not fail the import of batchgen."""
+    for helper in (_ring, _issue_tile, _refill, _slot_rows, _issue_row_tile):  # (jitted alongside)
         globals()[helper.__name__] = gluon.jit(helper)
     return gluon.jit(do_not_specialize=["eps"])(_decode_mlp_gluon_kernel)
 
 
 @functools.cache
 def _jitted_row_product():
+    """The row product's kernel, jitted as `_jitted`'s (with the helpers it shares)."""
     _jitted()
     return gluon.jit(_row_product_gluon_kernel)
 
@@ -235,12 +236,13 @@ _ROW_CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) 
 
 def row_product_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a one-row product x [1, H] @ W^T goes to row_product_gluon: H = HIDDEN, 16-bit, a weight
-    whose every block fits the ring (at most TILES blocks of 8 rows an SM: llama-3.2-1b's o), and the
-    check passed (run here, once a device and dtype, outside CUDA graph capture)."""
+    TMA can read (contiguous, 16-byte aligned) whose every block fits the ring (at most TILES blocks of
+    8 rows an SM: llama-3.2-1b's o), and the check passed (run here, once a device and dtype, outside
+    CUDA graph capture)."""
     n, k = weight.shape
     if not (x.is_cuda and k == HIDDEN and x.shape == (1, k) and weight.dtype == x.dtype
             and x.dtype in (torch.float16, torch.bfloat16) and x.is_contiguous() and weight.is_contiguous()
-            and triton.cdiv(n, NUM_WARPS) <= TILES * num_sms(x.device)):
+            and weight.data_ptr() % 16 == 0 and triton.cdiv(n, NUM_WARPS) <= TILES * num_sms(x.device)):
         return False
     key = (device_index(x.device), x.dtype)
     if key not in _ROW_CHECKED:
@@ -275,6 +277,7 @@ def row_product_gluon(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dt
     sized to the program's blocks (at most TILES)."""
     n = weight.shape[0]
     y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device) if out is None else out
+    assert y.shape == (1, n) and y.dtype == (out_dtype or x.dtype) and y.is_contiguous()
     blocks = triton.cdiv(n, NUM_WARPS)
     programs = min(num_sms(x.device), blocks)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * weight.element_size(), rank=2)
