@@ -74,18 +74,24 @@ _CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> c
 
 
 @functools.cache
-def _jitted():
-    """The MLP kernel and the helpers of both kernels, jitted at their first launch (in the checks'
-    try): an experimental API that another Triton may reject must not fail the import of batchgen."""
-    for helper in (_ring, _issue_tile, _refill, _slot_rows, _issue_row_tile):  # (jitted alongside)
+def _jit_helpers() -> None:
+    """The kernels' helpers, jitted at the first launch of either kernel (in the checks' try): an
+    experimental API that another Triton may reject must not fail the import of batchgen."""
+    for helper in (_ring, _issue_tile, _refill, _slot_rows, _issue_row_tile):
         globals()[helper.__name__] = gluon.jit(helper)
+
+
+@functools.cache
+def _jitted():
+    """The MLP kernel, jitted as its helpers are (`_jit_helpers`)."""
+    _jit_helpers()
     return gluon.jit(do_not_specialize=["eps"])(_decode_mlp_gluon_kernel)
 
 
 @functools.cache
 def _jitted_row_product():
-    """The row product's kernel, jitted as `_jitted`'s (with the helpers it shares)."""
-    _jitted()
+    """The row product's kernel, jitted as its helpers are (`_jit_helpers`)."""
+    _jit_helpers()
     return gluon.jit(_row_product_gluon_kernel)
 
 
@@ -231,6 +237,12 @@ def _row_product_gluon_kernel(x_ptr, w_desc, y_ptr, N, NW: gl.constexpr, NT: gl.
         gl.store(y_ptr + n, gl.sum(w.to(gl.float32) * x, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
 
 
+def _gluon_allowed(device: torch.device, switch: str) -> bool:
+    """What both checks need before they compile: Gluon here, a Hopper or later GPU, the kernel's
+    switch (an environment variable) not 0."""
+    return gluon is not None and os.environ.get(switch, "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 _ROW_CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> the row product's check passed
 
 
@@ -255,8 +267,7 @@ def row_product_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _row_passes(device: torch.device, dtype: torch.dtype) -> bool:
     """Compiled and compared with the skinny kernel on random inputs (within 1e-4 of the scale: fp32
     sums in another order); any failure leaves the skinny kernel."""
-    if (gluon is None or os.environ.get("BATCHGEN_GLUON_ROW", "1") == "0"
-            or torch.cuda.get_device_capability(device)[0] < 9):
+    if not _gluon_allowed(device, "BATCHGEN_GLUON_ROW"):
         return False
     from batchgen.kernels.skinny_gemm import skinny_gemm_triton
     gen = torch.Generator(device=device).manual_seed(0)
@@ -280,11 +291,9 @@ def row_product_gluon(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dt
     assert y.shape == (1, n) and y.dtype == (out_dtype or x.dtype) and y.is_contiguous()
     blocks = triton.cdiv(n, NUM_WARPS)
     programs = min(num_sms(x.device), blocks)
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * weight.element_size(), rank=2)
-    box = [HIDDEN // TMA_COLS * NUM_WARPS, TMA_COLS]
-    desc = TensorDescriptor.from_tensor(weight.reshape(-1, TMA_COLS), box, layout)
-    _jitted_row_product()[(programs,)](x, desc, y, n, NW=NUM_WARPS, NT=min(TILES, triton.cdiv(blocks, programs)),
-                                       num_warps=NUM_WARPS, **pdl_launch_args(x.device))
+    _jitted_row_product()[(programs,)](x, _rows_descriptor(weight), y, n, NW=NUM_WARPS,
+                                       NT=min(TILES, triton.cdiv(blocks, programs)), num_warps=NUM_WARPS,
+                                       **pdl_launch_args(x.device))
     return y
 
 
@@ -306,8 +315,7 @@ def check(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
 
 
 def _passes(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
-    if (gluon is None or dtype not in (torch.float16, torch.bfloat16)
-            or os.environ.get("BATCHGEN_GLUON_MLP", "1") == "0" or torch.cuda.get_device_capability(device)[0] < 9):
+    if dtype not in (torch.float16, torch.bfloat16) or not _gluon_allowed(device, "BATCHGEN_GLUON_MLP"):
         return False
     from batchgen.kernels.decode_mlp import decode_mlp_triton
 
@@ -353,10 +361,14 @@ def decode_mlp_gluon(
 
 
 def _descriptors(w_gate_up: torch.Tensor, w_down_t: torch.Tensor):
-    """TMA descriptors of the gate rows, the up rows and W_down^T, each viewed as rows of 256 (a block
-    of BJ weight rows is one box of [8 BJ, 256]: one contiguous 32 KB, unswizzled in shared memory)."""
+    """TMA descriptors of the gate rows, the up rows and W_down^T (`_rows_descriptor`)."""
     inter = w_down_t.shape[0]
+    return tuple(_rows_descriptor(w) for w in (w_gate_up[:inter], w_gate_up[inter:], w_down_t))
+
+
+def _rows_descriptor(weight: torch.Tensor):
+    """The TMA descriptor of a weight [N, H] viewed as rows of 256 (a block of BJ weight rows is one
+    box of [8 BJ, 256]: one contiguous 32 KB at 16 bits, unswizzled in shared memory)."""
     box = [HIDDEN // TMA_COLS * NUM_WARPS, TMA_COLS]
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * w_down_t.element_size(), rank=2)
-    return tuple(TensorDescriptor.from_tensor(w.reshape(-1, TMA_COLS), box, layout)
-                 for w in (w_gate_up[:inter], w_gate_up[inter:], w_down_t))
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * weight.element_size(), rank=2)
+    return TensorDescriptor.from_tensor(weight.reshape(-1, TMA_COLS), box, layout)
