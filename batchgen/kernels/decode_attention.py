@@ -184,9 +184,10 @@ TILE_HEAD_DIM_128 = (64, 4, 3)
 TILE_SMALL = (32, 4, 1)
 
 
-def pick_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, sms: int) -> int:
-    """Fewest splits that give about 2 programs per SM, and no more than max_kv_len has blocks."""
-    splits = min(triton.cdiv(2 * sms, num_seqs * num_kv_heads), triton.cdiv(max_kv_len, block_n))
+def pick_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, sms: int,
+                    per_sm: int = 2) -> int:
+    """Fewest splits that give about per_sm programs an SM, and no more than max_kv_len has blocks."""
+    splits = min(triton.cdiv(per_sm * sms, num_seqs * num_kv_heads), triton.cdiv(max_kv_len, block_n))
     return max(splits, 1)
 
 

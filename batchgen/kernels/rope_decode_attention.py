@@ -38,7 +38,11 @@ from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rope_store_kv import rope_store_kv_ref
 
 BLOCK_N = 64  # keys a step; a split of at most this many keys is read whole before the wait
-MAX_SPLITS = 64
+MAX_SPLITS = 64  # (the merge's BLOCK_C)
+# About one program an SM (the split kernel of kernels/decode_attention.py takes two): W-decode1
+# llama-3.2-1b (8 kv heads) 0.811-0.812 ms a token with 16-20 splits against 0.824 with 33, 0.823 with
+# 12, 0.835 with 8 (H200, KERNELS.md session 22): fewer splits, fewer parts for the last one to merge
+PROGRAMS_PER_SM = 1
 MAX_COUNTERS = 4096  # (sequence, kv head) pairs the persistent counters cover
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -219,7 +223,7 @@ def rope_decode_attention_triton(
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
-    splits = min(pick_num_splits(num_seqs, num_kv_heads, max_kv_len, BLOCK_N, sms), MAX_SPLITS)  # (the merge's BLOCK_C)
+    splits = min(pick_num_splits(num_seqs, num_kv_heads, max_kv_len, BLOCK_N, sms, PROGRAMS_PER_SM), MAX_SPLITS)
     f32 = dict(dtype=torch.float32, device=q.device)
     part_o = torch.empty((num_seqs, num_q_heads, splits, head_dim), **f32)
     part_lse = torch.empty((num_seqs, num_q_heads, splits), **f32)

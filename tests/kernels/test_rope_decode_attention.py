@@ -6,10 +6,11 @@ from batchgen.kernels.rope_decode_attention import (
 )
 from tests.kernels.test_rotary import _cos_sin_cache
 
-# (q heads, kv heads, head_dim, context lengths, SMs): a split of several key blocks (few SMs), one of a
-# block, several sequences with a context of 1 among them, GQA groups of 1, 2 and 3 (not a power of 2);
-# on the GPU llama-3.2-1b, qwen2.5-0.5b and SmolLM2 (groups of 3) shapes at one row, and plain MHA.
-SHAPES = [(4, 2, 32, [300], 2), (2, 1, 64, [70], 132), (6, 2, 32, [5, 1, 131], 4), (3, 3, 32, [64], 8)] + [
+# (q heads, kv heads, head_dim, context lengths, SMs): a split of several key blocks (few SMs: 2 splits
+# of 3 blocks at about a program an SM), one of a block, several sequences with a context of 1 among them,
+# GQA groups of 1, 2 and 3 (not a power of 2); on the GPU llama-3.2-1b, qwen2.5-0.5b and SmolLM2 (groups of
+# 3) shapes at one row, and plain MHA.
+SHAPES = [(4, 2, 32, [300], 4), (2, 1, 64, [70], 132), (6, 2, 32, [5, 1, 131], 8), (3, 3, 32, [64], 8)] + [
     pytest.param(*s, marks=pytest.mark.gpu) for s in [(32, 8, 64, [1100], 132), (14, 2, 64, [900], 132),
                                                       (32, 8, 64, [5000], 132), (9, 3, 64, [700], 132),
                                                       (8, 8, 64, [300], 132)]
@@ -79,3 +80,14 @@ def test_rope_decode_attention_matches_rope_store_then_attention(device, assert_
     for x, before in zip(args[:3], inputs_before):  # q, k, v are read, not rotated in place
         assert torch.equal(x, before)
     assert int(_counters(out.device).abs().sum()) == 0
+
+
+def test_about_one_program_an_sm():
+    """The one launch takes about one program an SM (the split kernel two), no more splits than the
+    context has key blocks: llama-3.2-1b's 8 kv heads on an H200's 132 SMs take 17 splits, not 33."""
+    from batchgen.kernels.decode_attention import pick_num_splits
+    from batchgen.kernels.rope_decode_attention import BLOCK_N, PROGRAMS_PER_SM
+    assert pick_num_splits(1, 8, 4096, BLOCK_N, 132, PROGRAMS_PER_SM) == 17
+    assert pick_num_splits(1, 8, 4096, BLOCK_N, 132) == 33
+    assert pick_num_splits(1, 8, 600, BLOCK_N, 132, PROGRAMS_PER_SM) == 10
+    assert pick_num_splits(4, 8, 4096, BLOCK_N, 132, PROGRAMS_PER_SM) == 5
