@@ -77,7 +77,7 @@ _CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> c
 def _jit_helpers() -> None:
     """The kernels' helpers, jitted at the first launch of either kernel (in the checks' try): an
     experimental API that another Triton may reject must not fail the import of batchgen."""
-    for helper in (_ring, _issue_tile, _refill, _slot_rows, _issue_row_tile):
+    for helper in (_ring, _release_slots, _issue_tile, _refill, _slot_rows, _issue_row_tile):
         globals()[helper.__name__] = gluon.jit(helper)
 
 
@@ -106,6 +106,13 @@ def _ring(desc, NT: gl.constexpr):
     return ring, bars
 
 
+def _release_slots():
+    """Order every warp's reads of the ring before the TMA writes that refill it: a CTA barrier, then the
+    async proxy's fence."""
+    cta_barrier()
+    fence_async_shared()
+
+
 def _issue_tile(gate_desc, up_desc, down_desc, ring, bars, b, T: gl.constexpr, NT: gl.constexpr, pid, P, blocks):
     """The TMA load of tile 3 b + T (the program's block b + T // 3; its gate, up or W_down^T rows as T
     % 3 is 0, 1 or 2) into ring slot (3 b + T) % NT, counted on that slot's barrier; none past the
@@ -125,10 +132,8 @@ def _issue_tile(gate_desc, up_desc, down_desc, ring, bars, b, T: gl.constexpr, N
 
 
 def _refill(gate_desc, up_desc, down_desc, ring, bars, b, T: gl.constexpr, NT: gl.constexpr, pid, P, blocks):
-    """Once every warp has read tile 3 b + T - NT, its slot's next tile 3 b + T (the reads ordered
-    before the TMA's writes: a CTA barrier, then the async proxy's fence)."""
-    cta_barrier()
-    fence_async_shared()
+    """Once every warp has read tile 3 b + T - NT, its slot's next tile 3 b + T."""
+    _release_slots()
     _issue_tile(gate_desc, up_desc, down_desc, ring, bars, b, T, NT, pid, P, blocks)
 
 
@@ -230,8 +235,7 @@ def _row_product_gluon_kernel(x_ptr, w_desc, y_ptr, N, NW: gl.constexpr, NT: gl.
     x = gl.expand_dims(gl.load(x_ptr + gl.arange(0, HC, layout=gl.SliceLayout(0, LG))).to(gl.float32), 0)
     for b in range(blocks):
         w = _slot_rows(ring, bars, b, NT, BJ, HC).load(LG)
-        cta_barrier()
-        fence_async_shared()
+        _release_slots()
         _issue_row_tile(w_desc, ring, bars, b + NT, NT, pid, P, blocks)
         n = (pid + b * P) * BJ + rows
         gl.store(y_ptr + n, gl.sum(w.to(gl.float32) * x, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
@@ -289,8 +293,7 @@ def row_product_gluon(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dt
     n = weight.shape[0]
     y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device) if out is None else out
     assert y.shape == (1, n) and y.dtype == (out_dtype or x.dtype) and y.is_contiguous()
-    blocks = triton.cdiv(n, NUM_WARPS)
-    programs = min(num_sms(x.device), blocks)
+    blocks, programs = _blocks_and_programs(n, x.device)
     _jitted_row_product()[(programs,)](x, _rows_descriptor(weight), y, n, NW=NUM_WARPS,
                                        NT=min(TILES, triton.cdiv(blocks, programs)), num_warps=NUM_WARPS,
                                        **pdl_launch_args(x.device))
@@ -353,11 +356,18 @@ def decode_mlp_gluon(
     assert out_sum.data_ptr() != next_sum.data_ptr(), "a layer's sum is not the next one's"
     new_residual = torch.empty_like(residual)
     gate_desc, up_desc, down_desc = _descriptors(w_gate_up, w_down_t)
-    _jitted()[(min(num_sms(x.device), triton.cdiv(inter, NUM_WARPS)),)](
+    _jitted()[(_blocks_and_programs(inter, x.device)[1],)](
         x, residual, new_residual, norm_weight, eps, gate_desc, up_desc, down_desc, out_sum, next_sum, hidden, inter,
         NW=NUM_WARPS, NT=TILES, num_warps=NUM_WARPS, **pdl_launch_args(x.device),
     )
     return new_residual
+
+
+def _blocks_and_programs(rows: int, device: torch.device) -> tuple[int, int]:
+    """Both kernels' grid: the blocks of NUM_WARPS rows, and a program an SM at most (the kernels deal
+    the blocks round-robin over the programs)."""
+    blocks = triton.cdiv(rows, NUM_WARPS)
+    return blocks, min(num_sms(device), blocks)
 
 
 def _descriptors(w_gate_up: torch.Tensor, w_down_t: torch.Tensor):
