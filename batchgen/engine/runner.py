@@ -272,7 +272,9 @@ class ModelRunner:
                 if inputs.has_prefix_writes:  # (rare: decodes whose prompts the cache advanced this step)
                     a = inputs.split(self.graphs.packed[HEADER : HEADER + sum(inputs.sizes)])
                     self.kv.req_to_token[a["prefix_rows"], a["prefix_positions"]] = a["prefix_slots"].to(torch.int32)
-                return self._logits(self.graphs.run_decode(key, inputs.num_decode), inputs)
+                hidden = self.graphs.run_decode(key, inputs.num_decode)
+                self.staging.static_read()  # (the graph's first kernel has unpacked graphs.packed)
+                return self._logits(hidden, inputs)
         fb = self.forward_batch(inputs, previous_tokens)
         fb.record_slots()  # (a step graph holds no table writes: their number varies from step to step)
         key = None
@@ -446,14 +448,12 @@ class StepOutput:
         self.wanting = wanting  # indices of samplers that asked for their token's logprob
         self.scored = scored  # (sequence, number of prompt logprobs), in the order of `values`
         self.tokens = tokens  # [S] int64 on the device, or None
-        self._host = [staging.to_host(t) for t in (tokens, values) if t is not None]
+        copied = [t for t in (tokens, values) if t is not None] + ([] if top is None else [top[2], top[3]])
+        hosts, self._event = staging.to_host(copied)  # (the event: None on CPU)
+        self._host = hosts[: len(hosts) - (0 if top is None else 2)]
         # top_logprobs: (sampler indices, their k, ids [T, k_max], logprobs [T, k_max]) -> host copies
-        self._top = None if top is None else (top[0], top[1], staging.to_host(top[2]), staging.to_host(top[3]))
+        self._top = None if top is None else (top[0], top[1], hosts[-2], hosts[-1])
         self.top_logprobs: list[tuple[int, list[tuple[int, float]]]] = []  # set by read()
-        self._event = None
-        if staging.arenas is not None:
-            self._event = torch.cuda.Event()
-            self._event.record()
 
     def read(self, check: Callable[[], None] | None = None) -> tuple[list[int], list[float], list[float]]:
         """Wait for the step -> (sampled tokens, their logprobs for `wanting`, prompt logprobs).

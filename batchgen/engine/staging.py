@@ -36,13 +36,20 @@ class PinnedArena:
 
 class Staging:
     """Host <-> device copies of a step's index arrays and results: through pinned arenas on CUDA,
-    plain tensors on CPU."""
+    plain tensors on CPU.
+
+    On CUDA a decode graph's packed inputs and a step's results are copied on two side streams, so that
+    neither copy sits between two steps' kernels on the step's stream: the next step's inputs land while
+    this step's LM head and sampling run (once the graph that read the buffer before is done), and the
+    results are copied back while the next step's graph runs."""
 
     def __init__(self, device: torch.device, capacity: int):
         self.device = device
         self.arenas = None
         if device.type == "cuda":
             self.arenas = {dt: PinnedArena(capacity, dt) for dt in (torch.int64, torch.int32, torch.float32)}
+            self.copy_in, self.copy_out = torch.cuda.Stream(device), torch.cuda.Stream(device)
+            self._static_read = None  # event: the last reader of the static buffer is done
 
     def next_step(self) -> None:
         if self.arenas:
@@ -61,16 +68,39 @@ class Staging:
 
     def to_static(self, values: torch.Tensor, out: torch.Tensor) -> None:
         """A host int64 array into the first values of a device buffer, in one copy (through pinned
-        memory on CUDA)."""
+        memory on CUDA, on the copy-in stream once the buffer's last reader, marked by `static_read`, is
+        done; the current stream waits for the copy)."""
         n = values.numel()
-        if self.arenas is not None:
-            values = self.arenas[torch.int64].take(n).copy_(values)
-        out[:n].copy_(values, non_blocking=True)
-
-    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Start copying a device tensor back; read it only after the step's event."""
         if self.arenas is None:
-            return tensor
-        host = self.arenas[tensor.dtype].take(tensor.numel()).view(tensor.shape)
-        host.copy_(tensor, non_blocking=True)
-        return host
+            out[:n].copy_(values)
+            return
+        values = self.arenas[torch.int64].take(n).copy_(values)
+        if self._static_read is not None:
+            self.copy_in.wait_event(self._static_read)
+        with torch.cuda.stream(self.copy_in):
+            out[:n].copy_(values, non_blocking=True)
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_in)
+
+    def static_read(self) -> None:
+        """Mark the point of the current stream after which the static buffer may be written again
+        (after the graph replay that read it)."""
+        if self.arenas is not None:
+            self._static_read = torch.cuda.Event()
+            self._static_read.record()
+
+    def to_host(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Start copying device tensors back, on the copy-out stream once the current stream has
+        produced them -> (their host copies, an event: read them only after it), or (the tensors
+        themselves, None) on CPU."""
+        if self.arenas is None:
+            return tensors, None
+        self.copy_out.wait_stream(torch.cuda.current_stream(self.device))
+        hosts = []
+        with torch.cuda.stream(self.copy_out):
+            for tensor in tensors:
+                tensor.record_stream(self.copy_out)  # (its memory is not reused before the copy ran)
+                host = self.arenas[tensor.dtype].take(tensor.numel()).view(tensor.shape)
+                hosts.append(host.copy_(tensor, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record()
+        return hosts, event
