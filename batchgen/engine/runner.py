@@ -2,6 +2,7 @@
 ForwardBatch, runs the model and samples."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -296,9 +297,9 @@ class ModelRunner:
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """The samplers' parameters on the device. When the same sequences sample as in the step before,
-        each one token further, the device tensors of that step are kept and only their step counters
-        advance (one op instead of two staged copies: a lone sequence's decode is bound by such host
-        work)."""
+        each one token further, the device tensors of that step are kept and sampled at a step offset
+        (an argument of the sampling kernel: no op on the device, where two staged copies were; a lone
+        sequence's decode is bound by the ops between its steps)."""
         vocab = self.model_cfg.vocab_size
         params = [s.params for s in seqs]
         banned_rows, banned_ids = [], []
@@ -312,9 +313,8 @@ class ModelRunner:
         generated = [s.num_generated for s in seqs]
         kept = self._kept_sampling
         if not banned_rows and kept is not None and kept.follows(seqs, generated):
-            kept.batch.steps.add_(1)  # (queued after the last step's sampling, which read the old values)
             kept.generated = generated
-            return kept.batch
+            return dataclasses.replace(kept.batch, step_offset=generated[0] - kept.staged[0])
         top_ks, seeds, steps = self._stage(
             [[p.top_k if p.top_k > 0 else vocab for p in params], [p.seed or 0 for p in params], generated],
             torch.int64,
@@ -356,10 +356,11 @@ class ModelRunner:
             if from_shards:  # (nothing above applies: samples_from_shards)
                 parameters = sampling_parameters(self.sampling_batch(samplers), num_sampled, self.device)
                 tokens = tokens_from_shards(self.tp, logits, self.tp.broadcast(parameters), self.model.lm_head.start)
-            else:
-                tokens = sample(logits[:num_sampled], self.sampling_batch(samplers))
+                self._keep_tokens(tokens)
+            else:  # (the sampler keeps the tokens for the next decode graph itself)
+                keep = None if self.graphs is None else self.graphs.last_tokens
+                tokens = sample(logits[:num_sampled], self.sampling_batch(samplers), keep)
                 self.tp.broadcast(tokens)  # the other ranks' next step may take input tokens from them
-            self._keep_tokens(tokens)
             if wanting:
                 wanted_tokens = tokens if len(wanting) == len(samplers) else tokens[self._tensor(wanting, torch.int64)]
                 outputs.append(wanted_lp.gather(1, wanted_tokens[:, None]).squeeze(1))
@@ -433,6 +434,7 @@ class KeptSampling:
 
     def __init__(self, seqs: list[Sequence], generated: list[int], batch: SamplingBatch):
         self.seqs, self.generated, self.batch = seqs, generated, batch
+        self.staged = generated  # the counts batch.steps holds: a later step samples at an offset
 
     def follows(self, seqs: list[Sequence], generated: list[int]) -> bool:
         """Whether seqs are these sequences, in this order, each with one token more."""

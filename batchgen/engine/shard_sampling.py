@@ -43,7 +43,8 @@ def sampling_parameters(sb: SamplingBatch, num_rows: int, device: torch.device) 
     """Rank 0: the rows' [seeds, steps, temperature bits] as one [3, S] int64 tensor to broadcast."""
     if sb.all_greedy:
         return torch.zeros((3, num_rows), dtype=torch.int64, device=device)
-    return torch.stack([sb.seeds, sb.steps, sb.temperatures.view(torch.int32).to(torch.int64)])
+    steps = sb.steps + sb.step_offset if sb.step_offset else sb.steps
+    return torch.stack([sb.seeds, steps, sb.temperatures.view(torch.int32).to(torch.int64)])
 
 
 def tokens_from_shards(tp, logits: torch.Tensor, parameters: torch.Tensor, token_offset: int) -> torch.Tensor:

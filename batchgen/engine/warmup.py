@@ -79,12 +79,12 @@ def warm_sampling(logits: torch.Tensor) -> None:
     """The sampler on every path a step can take (greedy, Gumbel-max, top-k/top-p) over logits
     [S, V]: compiles its kernels, and shows its peak memory to a profile."""
     num_rows, dev = logits.shape[0], dict(device=logits.device)
-    for top in (False, True):
+    for top in (False, True):  # (the tokens also into a kept buffer, as with CUDA graphs, and not)
         sample(logits, SamplingBatch(
             temperatures=torch.full((num_rows,), 0.7, **dev), top_ks=torch.full((num_rows,), 50, **dev),
             top_ps=torch.full((num_rows,), 0.9, **dev), seeds=torch.arange(num_rows, **dev),
             steps=torch.zeros(num_rows, dtype=torch.int64, **dev), all_greedy=False, use_top_k_top_p=top,
-        ))
+        ), keep=None if top else torch.empty(num_rows, dtype=torch.int64, **dev))
     sample(logits, SamplingBatch(None, None, None, None, None, True, False))
     gumbel_max(logits, torch.full((num_rows,), 0.7, **dev), torch.arange(num_rows, **dev),
                torch.zeros(num_rows, dtype=torch.int64, **dev), 0)  # (a shard's: engine/shard_sampling.py)

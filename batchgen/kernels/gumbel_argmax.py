@@ -71,7 +71,7 @@ def _gumbel_noise(bits):
 
 # The part count and size change with the number of rows: not specialized (a value divisible by 16,
 # or 1, would be another compile in the middle of a job); nor the rows' parameters on alignment (kernels/__init__.py).
-@triton.jit(do_not_specialize=["part_size", "num_parts", "token_offset"],
+@triton.jit(do_not_specialize=["part_size", "num_parts", "token_offset", "step_offset"],
             do_not_specialize_on_alignment=["temperatures_ptr", "seeds_ptr", "steps_ptr"])
 def _gumbel_argmax_parts_kernel(
     logits_ptr,  # [S, V] fp32
@@ -79,6 +79,7 @@ def _gumbel_argmax_parts_kernel(
     temperatures_ptr,  # [S] fp32, 0 = greedy
     seeds_ptr,  # [S] int64
     steps_ptr,  # [S] int64
+    step_offset,  # added to every row's step (kept sampling parameters: engine/runner.py)
     part_max_ptr,  # [S, P] fp32: the best score of each part of a row
     part_arg_ptr,  # [S, P] int64: its token id
     vocab,  # V
@@ -93,7 +94,7 @@ def _gumbel_argmax_parts_kernel(
     part = tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
     seed = tl.load(seeds_ptr + row)
-    step = tl.load(steps_ptr + row)
+    step = tl.load(steps_ptr + row) + step_offset
     seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     key = _hash32(seed_lo ^ _hash32(seed_hi ^ _hash32((step & 0xFFFFFFFF).to(tl.uint32))))
@@ -129,9 +130,11 @@ def _argmax_of_parts_kernel(
     part_arg_ptr,  # [S, P] int64
     out_ptr,  # [S] int64 chosen token ids
     best_ptr,  # [S] fp32 their scores (WRITE_BEST)
+    keep_ptr,  # [>= S] int64: the token ids once more (KEEP)
     num_parts,  # P
     PARTS: tl.constexpr,  # MAX_PARTS, whatever P (one compile)
     WRITE_BEST: tl.constexpr,
+    KEEP: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_prior_kernels(PDL)
@@ -139,7 +142,10 @@ def _argmax_of_parts_kernel(
     offs = tl.arange(0, PARTS)
     best = tl.load(part_max_ptr + row * num_parts + offs, mask=offs < num_parts, other=float("-inf"))
     part = tl.argmax(best, axis=0, tie_break_left=True)  # parts are in token order: the first maximum
-    tl.store(out_ptr + row, tl.load(part_arg_ptr + row * num_parts + part))
+    token = tl.load(part_arg_ptr + row * num_parts + part)
+    tl.store(out_ptr + row, token)
+    if KEEP:
+        tl.store(keep_ptr + row, token)
     if WRITE_BEST:
         tl.store(best_ptr + row, tl.load(part_max_ptr + row * num_parts + part))
 
@@ -151,12 +157,14 @@ MAX_PARTS = 128
 
 def gumbel_argmax_triton(
     logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-    parts: int | None = None,
+    parts: int | None = None, step_offset: int = 0, keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row's vocabulary is cut into `parts` (default: enough programs for the GPU, one for a
     large batch, ~126 for a single row of a 128k vocabulary); each part's best score and token, then
-    the first best part of each row. The token does not depend on the number of parts."""
-    return _launch(logits, temperatures, seeds, steps, parts, token_offset=0, want_best=False)[1]
+    the first best part of each row. The token does not depend on the number of parts. The rows'
+    steps are steps + step_offset; keep [>= S] int64, when given, receives the tokens too (from the
+    same kernel: no copy after it)."""
+    return _launch(logits, temperatures, seeds, steps, parts, 0, False, step_offset, keep)[1]
 
 
 def gumbel_max_triton(
@@ -171,7 +179,7 @@ def gumbel_max_triton(
     return _launch(logits, temperatures, seeds, steps, parts, token_offset, want_best=True)
 
 
-def _launch(logits, temperatures, seeds, steps, parts, token_offset, want_best):
+def _launch(logits, temperatures, seeds, steps, parts, token_offset, want_best, step_offset=0, keep=None):
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -179,6 +187,7 @@ def _launch(logits, temperatures, seeds, steps, parts, token_offset, want_best):
     if rows == 0:
         return best, out
     if vocab == 0:  # (a rank whose shard is all padding): never chosen
+        assert keep is None
         return best.fill_(float("-inf")), out.fill_(token_offset)
     blocks = triton.cdiv(vocab, BLOCK)
     parts = min(blocks, MAX_PARTS, parts or triton.cdiv(PROGRAMS, rows))
@@ -188,11 +197,14 @@ def _launch(logits, temperatures, seeds, steps, parts, token_offset, want_best):
     part_arg = torch.empty((rows, parts), dtype=torch.int64, device=logits.device)
     pdl = pdl_launch_args(logits.device)
     _gumbel_argmax_parts_kernel[(rows, parts)](
-        logits, logits.stride(0), temperatures, seeds, steps, part_max, part_arg,
+        logits, logits.stride(0), temperatures, seeds, steps, step_offset, part_max, part_arg,
         vocab, part_size, parts, token_offset, BLOCK=BLOCK, num_warps=4, **pdl,
     )
-    _argmax_of_parts_kernel[(rows,)](part_max, part_arg, out, best if want_best else part_max, parts,
-                                     PARTS=MAX_PARTS, WRITE_BEST=want_best, **pdl)
+    if keep is not None:
+        assert keep.dtype == torch.int64 and keep.device == logits.device and keep.numel() >= rows
+    _argmax_of_parts_kernel[(rows,)](part_max, part_arg, out, best if want_best else part_max,
+                                     out if keep is None else keep, parts,
+                                     PARTS=MAX_PARTS, WRITE_BEST=want_best, KEEP=keep is not None, **pdl)
     return best, out
 
 
@@ -293,13 +305,17 @@ def gumbel_max_cpu(
 
 
 def gumbel_argmax(
-    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+    step_offset: int = 0, keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [S, V] fp32 (-inf where masked); temperatures [S] fp32; seeds, steps [S] int64 ->
-    token ids [S] int64."""
+    token ids [S] int64, drawn at steps + step_offset; also into keep[:S] when given."""
     if logits.is_cuda:
-        return gumbel_argmax_triton(logits, temperatures, seeds, steps)
-    return gumbel_argmax_cpu(logits, temperatures, seeds, steps)
+        return gumbel_argmax_triton(logits, temperatures, seeds, steps, step_offset=step_offset, keep=keep)
+    tokens = gumbel_argmax_cpu(logits, temperatures, seeds, steps + step_offset if step_offset else steps)
+    if keep is not None:
+        keep[: tokens.shape[0]].copy_(tokens)
+    return tokens
 
 
 def gumbel_max(

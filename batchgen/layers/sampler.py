@@ -129,14 +129,19 @@ class SamplingBatch:
     use_top_k_top_p: bool
     banned_rows: torch.Tensor | None = None  # (rows, token ids) masked to -inf: EOS before min_tokens
     banned_ids: torch.Tensor | None = None
+    step_offset: int = 0  # the rows' steps are steps + step_offset (kept parameters: no op on the device)
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """logits [S, V] fp32 -> token ids [S] int64."""
+def sample(logits: torch.Tensor, sb: SamplingBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [S, V] fp32 -> token ids [S] int64; also written into keep[:S] when given (the Gumbel-max
+    kernel writes both: no copy on the step's stream)."""
     if sb.banned_rows is not None:
         logits = logits.index_put((sb.banned_rows, sb.banned_ids), torch.tensor(float("-inf"), device=logits.device))
     if sb.all_greedy:
-        return logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        if keep is not None:
+            keep[: tokens.shape[0]].copy_(tokens)
+        return tokens
     if sb.use_top_k_top_p:
         logits = mask_top_k_top_p(logits, sb.temperatures, sb.top_ks, sb.top_ps)
-    return gumbel_argmax(logits, sb.temperatures, sb.seeds, sb.steps)
+    return gumbel_argmax(logits, sb.temperatures, sb.seeds, sb.steps, sb.step_offset, keep)

@@ -1,5 +1,7 @@
 """Sampling: seeded results independent of the batch, top-k/top-p stay in their sets, stop strings,
 min_tokens, EOS."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,6 +36,20 @@ def test_sampling_follows_the_distribution():
     tokens = sample(logits, sampling_batch(20_000, vocab=3))
     freq = torch.bincount(tokens, minlength=3).float() / 20_000
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.015)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (1.0, 5)])
+def test_sampled_tokens_also_into_a_kept_buffer(temperature, top_k):
+    """keep (the next decode graph's pending tokens) receives the tokens on every path: greedy,
+    Gumbel-max (its kernel writes them) and top-k; a step offset draws as the offset steps do."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
+    sb = sampling_batch(6, temperature=temperature, top_k=top_k)
+    keep = torch.full((9,), -1, dtype=torch.int64)
+    tokens = sample(logits, sb, keep)
+    assert torch.equal(keep[:6], tokens) and keep[6:].tolist() == [-1] * 3
+    if temperature:
+        later = sample(logits, dataclasses.replace(sb, step_offset=7))
+        assert torch.equal(later, sample(logits, dataclasses.replace(sb, steps=sb.steps + 7)))
 
 
 def test_top_k_never_picks_outside_the_k_largest():
@@ -173,23 +189,24 @@ def test_kept_sampling_parameters_equal_staged_ones(llm):
             for t, p, s, g in [(0.7, 1.0, 3, 0), (1.3, 0.8, 4, 5)]]
 
     def fields(sb):
-        return [sb.temperatures, sb.top_ks, sb.top_ps, sb.seeds, sb.steps]
+        return [sb.temperatures, sb.top_ks, sb.top_ps, sb.seeds, sb.steps + sb.step_offset]
 
     first = runner.sampling_batch(seqs)
     for s in seqs:
         s.num_generated += 1
-    again = runner.sampling_batch(seqs)
-    assert again is first and again.steps.tolist() == [1, 6]
+    again = runner.sampling_batch(seqs)  # the same tensors, one step further: nothing copied, no op
+    assert again.steps is first.steps and again.seeds is first.seeds and again.steps.tolist() == [0, 5]
+    assert again.step_offset == 1
     runner._kept_sampling = None
     for got, want in zip(fields(again), fields(runner.sampling_batch(seqs))):
         assert torch.equal(got, want)
     seqs[0].num_generated += 2  # not one token further: staged afresh
     fresh = runner.sampling_batch(seqs)
-    assert fresh is not first and fresh.steps.tolist() == [3, 6]
+    assert fresh.steps is not first.steps and fresh.steps.tolist() == [3, 6] and fresh.step_offset == 0
     for s in seqs:
         s.num_generated += 1
     swapped = runner.sampling_batch(seqs[::-1])  # one token further, in another order: staged afresh
-    assert swapped is not fresh and swapped.steps.tolist() == [7, 4] and swapped.seeds.tolist() == [4, 3]
+    assert swapped.steps is not fresh.steps and swapped.steps.tolist() == [7, 4] and swapped.seeds.tolist() == [4, 3]
 
 
 def test_cpu_top_k_top_p_keeps_the_sorted_versions_sets():

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.gumbel_argmax import (
-    _gumbel, _gumbel_noise, gumbel_argmax_cpu, gumbel_argmax_ref, gumbel_argmax_triton, gumbel_max_cpu,
+    _gumbel, _gumbel_noise, gumbel_argmax, gumbel_argmax_cpu, gumbel_argmax_ref, gumbel_argmax_triton, gumbel_max_cpu,
     gumbel_max_ref, gumbel_max_triton, temperature_scaled, uniform_noise,
 )
 
@@ -68,6 +68,23 @@ def test_the_token_does_not_depend_on_the_number_of_parts(device, parts):
     one = gumbel_argmax_triton(logits, temperatures, seeds, steps, parts=1)
     assert torch.equal(gumbel_argmax_triton(logits, temperatures, seeds, steps, parts=parts), one)
     assert one[:2].tolist() == [2047, 2047]
+
+
+@pytest.mark.parametrize("cuda_path", [True, False])
+def test_a_step_offset_and_a_kept_copy(device, cuda_path):
+    """steps + step_offset is what a row draws at (kept sampling parameters pass the offset, not a
+    new tensor); keep[:S] receives the tokens, the rest of it stays; offsets past 2^32 wrap as the
+    steps themselves do."""
+    if not cuda_path and device != "cpu":
+        pytest.skip("the CPU path on a CPU")
+    fn = gumbel_argmax_triton if cuda_path else gumbel_argmax
+    logits, temperatures, seeds, steps = inputs(5, 3001, device, seed=5)
+    for offset in (1, 16, 2**32 + 3):
+        keep = torch.full((8,), -1, dtype=torch.int64, device=device)
+        got = fn(logits, temperatures, seeds, steps, step_offset=offset, keep=keep)
+        assert torch.equal(got, fn(logits, temperatures, seeds, steps + offset))
+        assert torch.equal(keep[:5], got) and keep[5:].tolist() == [-1, -1, -1]
+    assert not torch.equal(got, fn(logits, temperatures, seeds, steps))  # (the offset moved the noise)
 
 
 # Seed 3353 at step 0 hashes token 2460 to the top 24-bit value: where u was built from 24 bits, u
