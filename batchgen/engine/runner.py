@@ -358,8 +358,7 @@ class ModelRunner:
                 tokens = tokens_from_shards(self.tp, logits, self.tp.broadcast(parameters), self.model.lm_head.start)
                 self._keep_tokens(tokens)
             else:  # (the sampler keeps the tokens for the next decode graph itself)
-                keep = None if self.graphs is None else self.graphs.last_tokens
-                tokens = sample(logits[:num_sampled], self.sampling_batch(samplers), keep)
+                tokens = sample(logits[:num_sampled], self.sampling_batch(samplers), self._pending_tokens())
                 self.tp.broadcast(tokens)  # the other ranks' next step may take input tokens from them
             if wanting:
                 wanted_tokens = tokens if len(wanting) == len(samplers) else tokens[self._tensor(wanting, torch.int64)]
@@ -423,10 +422,14 @@ class ModelRunner:
         self._keep_tokens(tokens)
         return tokens
 
+    def _pending_tokens(self) -> torch.Tensor | None:
+        """Where the next decode graph reads its pending input tokens (None: no graphs)."""
+        return None if self.graphs is None else self.graphs.last_tokens
+
     def _keep_tokens(self, tokens: torch.Tensor) -> None:
-        """A step's sampled tokens where the next decode graph reads its pending input tokens."""
-        if self.graphs is not None:
-            self.graphs.last_tokens[: tokens.shape[0]].copy_(tokens)
+        """A step's sampled tokens into _pending_tokens (where the sampler did not write them itself)."""
+        if (pending := self._pending_tokens()) is not None:
+            pending[: tokens.shape[0]].copy_(tokens)
 
 
 class KeptSampling:
@@ -450,11 +453,11 @@ class StepOutput:
         self.wanting = wanting  # indices of samplers that asked for their token's logprob
         self.scored = scored  # (sequence, number of prompt logprobs), in the order of `values`
         self.tokens = tokens  # [S] int64 on the device, or None
-        copied = [t for t in (tokens, values) if t is not None] + ([] if top is None else [top[2], top[3]])
-        hosts, self._event = staging.to_host(copied)  # (the event: None on CPU)
-        self._host = hosts[: len(hosts) - (0 if top is None else 2)]
-        # top_logprobs: (sampler indices, their k, ids [T, k_max], logprobs [T, k_max]) -> host copies
-        self._top = None if top is None else (top[0], top[1], hosts[-2], hosts[-1])
+        results = [t for t in (tokens, values) if t is not None]
+        # top_logprobs: (sampler indices, their k, ids [T, k_max], logprobs [T, k_max]); all copied back at once
+        hosts, self._event = staging.to_host(results + ([] if top is None else list(top[2:])))  # (event: None on CPU)
+        self._host = hosts[: len(results)]
+        self._top = None if top is None else (top[0], top[1], *hosts[len(results):])
         self.top_logprobs: list[tuple[int, list[tuple[int, float]]]] = []  # set by read()
 
     def read(self, check: Callable[[], None] | None = None) -> tuple[list[int], list[float], list[float]]:
