@@ -56,7 +56,7 @@ def test_tile_gemm_silu_mul_out(device, assert_close, dtype, m, inter, k, tile):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("parts,rows,hidden", [(2, 3, 48), (4, 5, 100)])
+@pytest.mark.parametrize("parts,rows,hidden", [(2, 3, 48), (4, 5, 100), (4, 70, 2048)])  # (16 warps at 2048)
 def test_add_rmsnorm_parts(device, assert_close, dtype, parts, rows, hidden):
     """The add + RMSNorm after a split product: the parts summed in fp32 in split order and rounded
     to the residual's dtype, then add_rmsnorm."""
