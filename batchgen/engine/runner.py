@@ -22,6 +22,7 @@ from batchgen.engine.scheduler import ScheduledBatch
 from batchgen.engine.staging import Staging
 from batchgen.engine.shard_sampling import sampling_parameters, samples_from_shards, tokens_from_shards
 from batchgen.engine.step_inputs import HEADER, StepInputs
+from batchgen.engine.product_tuning import tune_products
 from batchgen.engine.warmup import synthetic_batch, warm_sampling, warm_up
 from batchgen.kernels.token_bitmask import apply_token_bitmask
 from batchgen.layers.sampler import SamplingBatch, sample
@@ -102,6 +103,7 @@ class ModelRunner:
         self._kept_sampling: KeptSampling | None = None  # the last step's sampling parameters (sampling_batch)
         if self.device.type == "cuda":
             warm_up(self)  # before any job's timing: every kernel specialization an eager step uses
+            tune_products(self)  # cuBLAS or a tile for each product of 65-256 rows (before graphs hold them)
             if config.cuda_graphs:
                 with torch.inference_mode():
                     self.graphs = ModelGraphs(self.model, self.kv, config.max_num_seqs, self.max_num_batched_tokens,

@@ -75,6 +75,12 @@ def synthetic_batch(kv: KVCache, device: torch.device, decode_lens: list[int],
     )
 
 
+def reset_synthetic_rows(kv: KVCache) -> None:
+    """Clear the token table entries synthetic batches wrote (all but the padding row's reserved slot)."""
+    kv.req_to_token.zero_()
+    kv.req_to_token[kv.pad_row, 0] = kv.pad_slot
+
+
 def warm_sampling(logits: torch.Tensor) -> None:
     """The sampler on every path a step can take (greedy, Gumbel-max, top-k/top-p) over logits
     [S, V]: compiles its kernels, and shows its peak memory to a profile."""
@@ -116,7 +122,6 @@ def warm_up(runner) -> None:
             runner.model.compute_logits(hidden[:rows])
             if runner.tp.size > 1:  # and its shard alone (engine/shard_sampling.py)
                 runner.model.lm_head.shard_logits(hidden[:rows])
-        kv.req_to_token.zero_()  # the synthetic rows' entries
-        kv.req_to_token[kv.pad_row, 0] = kv.pad_slot
+        reset_synthetic_rows(kv)
     torch.cuda.synchronize(dev)
     log.info("kernels ready in %.1fs", time.perf_counter() - start)

@@ -1,6 +1,6 @@
-"""Products of a decode step's rows (2 to 64 of them) on Hopper: y = x @ W^T in [BM, BN] output tiles,
-x and W read through TMA descriptors (tl.range keeps STAGES tiles of each in flight in shared memory)
-and multiplied by the tensor cores (tl.dot), accumulated in fp32.
+"""Products of a decode step's rows (2 to 64, and 65 to 256 where timed faster than cuBLAS) on Hopper:
+y = x @ W^T in [BM, BN] output tiles, x and W read through TMA descriptors (tl.range keeps STAGES tiles
+of each in flight in shared memory) and multiplied by the tensor cores (tl.dot), accumulated in fp32.
 
     y = x W^T                                (plain)
     y = silu(x Wg^T) * (x Wu^T)              (SILU_MUL_OUT: W = [Wg; Wu], an MLP's gate/up; y [M, N/2])
@@ -21,10 +21,14 @@ and its gate/up pair makes a round trip through memory for the SiLU-and-mul kern
 an H200, us (KERNELS.md, session 17), cuBLAS against this kernel at 2 / 64 rows: o 6.0 / 6.3 against
 4.1 / 4.7 (parts), down 14.0 / 14.3 against 10.0 / 10.8 (parts), gate/up + SiLU-and-mul 20.1 / 22.2
 against 18.2 / 19.1. A decode step of 8 to 64 rows: llama-3.2-1b 4% faster, qwen2.5-0.5b 3%; at 128
-rows llama's step was no faster (1.95 ms either way), so MAX_ROWS is 64.
+rows llama's step was no faster (1.95 ms either way), so MAX_ROWS is 64. From 65 to TUNED_MAX_ROWS
+rows neither this kernel nor cuBLAS wins everywhere: a product takes the tile that start-up timing found
+faster for its shape and row count (engine/product_tuning.py; 128-row tiles whose M tiles run side by
+side, W read once from DRAM and again from L2).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -39,8 +43,15 @@ from batchgen.kernels.skinny_gemm import TensorDescriptor, tma_ok
 
 MAX_ROWS = 64  # at 128 rows a decode step was no faster than with cuBLAS (KERNELS.md, session 17)
 MIN_PROGRAMS = 64  # a split plain product with fewer programs streams W too slowly (qwen2.5-0.5b's down)
+# Above MAX_ROWS and up to TUNED_MAX_ROWS a product takes a tile only where start-up timing found one
+# faster than cuBLAS for that shape and row count (engine/product_tuning.py): neither wins everywhere
+# there (KERNELS.md, sessions 20 and 24).
+TUNED_MAX_ROWS = 256
 
 Tile = tuple[int, int, int, int, int, int]  # (BM, BN, BK, stages, warps, SPLIT)
+# (product_key) -> the tile timed faster than cuBLAS, or None where cuBLAS was (engine/product_tuning.py)
+tuned: dict[tuple, Tile | None] = {}
+_recording: dict[tuple, dict[int, torch.Tensor]] | None = None
 
 
 @triton.jit(do_not_specialize=["M"])  # (one compile per tile height, not per row count: none inside a job)
@@ -61,8 +72,8 @@ def _tile_gemm_kernel(
     SILU_MUL_OUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_m = tl.program_id(0)  # (M tiles fastest: a W tile's second read, by the next M tile, hits the L2)
+    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     m0 = pid_m * BM
     n0 = pid_n * BN
@@ -128,6 +139,45 @@ def pick_tile(m: int, n_out: int, k: int, silu_mul_out: bool, parts_ok: bool = F
     return bm, bn, bk, stages, warps, split
 
 
+def candidate_tiles(m: int, n_out: int, k: int, silu_mul_out: bool, sms: int = 132) -> list[Tile]:
+    """The tiles start-up timing tries against cuBLAS at MAX_ROWS < m <= TUNED_MAX_ROWS rows: 128-row
+    tiles (M tiles run side by side, so W is read from DRAM once), 64 or 128 columns, and for plain
+    products K in the most parts (4, 2) that keep the grid within one program an SM; up to 192 rows
+    also pick_tile's 64-row tile, two or three M tiles. The best of a sweep of BM 128/256, BN 64/128,
+    BK 64/128 at 192 and 256 rows of llama-3.2-1b's products on an H200 (KERNELS.md, session 24): BM
+    256 never won."""
+    # (BM, BN, BK, stages, warps)
+    shapes = [(128, 128, 64, 4, 8), (128, 64, 128, 3, 8)] if silu_mul_out else [(128, 128, 128, 3, 8), (128, 64, 128, 3, 8)]
+    if m <= 192:
+        shapes.append((64, 64, 128, 3 if silu_mul_out else 5, 4))
+    tiles = []
+    for bm, bn, bk, stages, warps in shapes:
+        if k % bk:
+            continue
+        grid = triton.cdiv(n_out, bn) * triton.cdiv(m, bm)
+        split = 1 if silu_mul_out else next((s for s in (4, 2) if k % (s * bk) == 0 and grid * s <= sms), 1)
+        tiles.append((bm, bn, bk, stages, warps, split))
+    return tiles
+
+
+def product_key(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool, parts_ok: bool) -> tuple:
+    """What a tuned choice is kept under: the product's shape, dtype and kind, and its rows."""
+    return (*weight.shape, str(x.dtype).removeprefix("torch."), silu_mul_out, parts_ok, x.shape[0])
+
+
+@contextlib.contextmanager
+def recording_products():
+    """Within: every product tile_for is asked about with MAX_ROWS < rows <= TUNED_MAX_ROWS, by
+    product_key less its rows -> {id(weight): weight} (the weights of every layer of that shape)."""
+    global _recording
+    _recording, seen = {}, {}
+    try:
+        yield seen
+    finally:
+        seen.update(_recording)
+        _recording = None
+
+
 def uses_tile_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False,
                    parts_ok: bool = False) -> bool:
     """Whether a GPU product of x with weight goes to this kernel (tile_for's docstring)."""
@@ -140,14 +190,20 @@ def tile_for(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False,
     Hopper, and where it beat cuBLAS on an H200 (KERNELS.md, session 17): an MLP's gate/up with its
     SiLU-and-mul (silu_mul_out); products with N <= K (o, down) whose caller sums split-K parts
     (parts_ok) and whose grid then has at least MIN_PROGRAMS programs. Not qkv or LM heads (N > K); not a
-    gate/up whose programs would take more than one wave of the GPU's SMs."""
+    gate/up whose programs would take more than one wave of the GPU's SMs. The same kinds of product
+    at 65 to TUNED_MAX_ROWS rows: the tile start-up timing chose (`tuned`), if any."""
     m = x.shape[0]
     n, k = weight.shape
-    if not (x.dim() == 2 and 2 <= m <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16)
+    if not (x.dim() == 2 and 2 <= m <= TUNED_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16)
             and weight.dtype == x.dtype and tile_gemm_supported(x.device) and tma_ok(x) and tma_ok(weight)):
         return None
     if not silu_mul_out and not (parts_ok and n <= k):
         return None
+    if m > MAX_ROWS:  # where start-up timing chose a tile (engine/product_tuning.py)
+        key = product_key(x, weight, silu_mul_out, parts_ok)
+        if _recording is not None:
+            _recording.setdefault(key[:-1], {})[id(weight)] = weight
+        return tuned.get(key)
     n_out = n // 2 if silu_mul_out else n
     sms = _sm_count(x.device)
     tile = pick_tile(m, n_out, k, silu_mul_out, parts_ok, sms)
@@ -185,7 +241,7 @@ def tile_gemm_triton(
         y = torch.empty((m, n_out), dtype=x.dtype, device=x.device) if out is None else out
         assert y.shape == (m, n_out) and y.stride(1) == 1 and y.dtype == x.dtype
         parts = y  # (unused)
-    _tile_gemm_kernel[(triton.cdiv(n_out, bn), triton.cdiv(m, bm), split)](
+    _tile_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n_out, bn), split)](
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]), y, y.stride(-2),
         parts, m, n_out, k // split, BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
         SILU_MUL_OUT=silu_mul_out, num_warps=warps, num_stages=stages, **pdl_launch_args(x.device),

@@ -15,7 +15,8 @@ or one the kernel reads through TMA, which the skinny kernel streams (kernels/sk
 under cuBLAS's batch-1 products on llama-3.2-1b's qkv, o and down in CUDA graphs on an H200; the down
 projection takes silu(gate) * up as it reads, and layernorm.normed_product gives qkv and gate/up
 their RMSNorm the same way: a kernel less each). On Hopper, 2 to 64 rows of an MLP's gate/up, and
-of o and down projections on one GPU, go to the tile kernel where kernels/tile_gemm.tile_for takes them:
+of o and down projections on one GPU, go to the tile kernel where kernels/tile_gemm.tile_for takes them
+(65 to 256 rows where start-up timing found it faster than cuBLAS: engine/product_tuning.py):
 gate/up with its SiLU-and-mul applied (a kernel less), o and down in split-K parts that the add +
 RMSNorm after them sums.
 """

@@ -4,7 +4,7 @@ import torch
 import batchgen.kernels.tile_gemm as tile_gemm_module
 import batchgen.layers.packed_linear as packed_linear
 from batchgen.kernels.rmsnorm import add_rmsnorm_parts_ref, add_rmsnorm_parts_triton, add_rmsnorm_ref
-from batchgen.kernels.tile_gemm import pick_tile, tile_gemm_ref, tile_gemm_triton, uses_tile_gemm
+from batchgen.kernels.tile_gemm import candidate_tiles, pick_tile, tile_gemm_ref, tile_gemm_triton, uses_tile_gemm
 from batchgen.layers.layernorm import RMSNorm
 from batchgen.layers.linear import MergedColumnParallelLinear, RowParallelLinear, SplitParts
 
@@ -16,6 +16,9 @@ CASES = [(3, 96, 128, (64, 32, 64, 2, 4, 1)), (70, 80, 256, (64, 32, 64, 2, 4, 2
          (17, 64, 512, (16, 32, 64, 3, 4, 4))] + [
     pytest.param(m, n, k, None, marks=pytest.mark.gpu)
     for m, n, k in [(2, 2048, 2048), (100, 2048, 2048), (5, 2048, 8192), (64, 2048, 8192), (128, 2048, 8192)]
+] + [  # the candidates start-up timing tries at 65-256 rows (two M tiles at 192 and 256)
+    pytest.param(m, n, k, tile, marks=pytest.mark.gpu) for m, n, k in [(80, 2048, 8192), (192, 2048, 8192), (256, 2048, 2048)]
+    for tile in candidate_tiles(m, n, k, False)
 ]
 
 
@@ -43,7 +46,8 @@ def test_tile_gemm(device, assert_close, dtype, m, n, k, tile):
 # (M, I, K, tile): I a multiple of BN, and not (the last tile's gate columns past I, masked)
 @pytest.mark.parametrize("m,inter,k,tile", [(5, 64, 128, (64, 32, 64, 2, 4, 1)), (40, 48, 64, (32, 16, 64, 1, 4, 1)),
                                             (5, 40, 128, (64, 16, 64, 2, 4, 1))] + [
-    pytest.param(m, 8192, 2048, None, marks=pytest.mark.gpu) for m in (2, 30, 64, 128)])
+    pytest.param(m, 8192, 2048, None, marks=pytest.mark.gpu) for m in (2, 30, 64, 128)] + [
+    pytest.param(m, 8192, 2048, tile, marks=pytest.mark.gpu) for m in (80, 192, 256) for tile in candidate_tiles(m, 8192, 2048, True)])
 def test_tile_gemm_silu_mul_out(device, assert_close, dtype, m, inter, k, tile):
     """An MLP's gate/up [2I, K]: the product gives silu(gate) * up [M, I], gate and up each rounded
     as the product rounds them; the reference applies SiLU-and-mul after the product."""
