@@ -135,6 +135,12 @@ def save_choices(path: Path, kept: dict) -> None:
         log.warning("could not keep the tuned products in %s (%s): the next start times them again", path, e)
 
 
+def is_choice(value) -> bool:
+    """Whether a kept value is a choice: None (cuBLAS) or a tile, six positive integers."""
+    return value is None or (isinstance(value, list) and len(value) == 6
+                             and all(type(v) is int and v > 0 for v in value))
+
+
 def tune_products(runner) -> None:
     """Fill tile_gemm.tuned for the runner's model (a ModelRunner on CUDA, its kernels warmed up),
     from the kept choices or by timing; before the CUDA graphs are captured (they hold the choice)."""
@@ -156,7 +162,7 @@ def tune_products(runner) -> None:
             for m in sizes:
                 key = (*shape, m)
                 name = f"{tag} | {','.join(map(str, key))}"
-                if name not in kept:
+                if not is_choice(kept.get(name, "")):  # not timed yet (or an entry no start wrote)
                     kept[name] = time_choice(list(weights.values()), m, shape[3], shape[4])
                     timed += 1
                 tile = kept[name]

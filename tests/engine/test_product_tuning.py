@@ -131,6 +131,13 @@ def test_tune_once_then_keep_the_choices(tuned_table, monkeypatch, tmp_path):
     assert timed == [] and len(tuned_table) == 10
     assert tuned_table[(*O, "bfloat16", False, True, 256)] == (128, 128, 128, 3, 8, 4)
 
+    name = next(n for n in kept if n.endswith(",192"))  # an entry no start wrote: timed again
+    kept[name] = "fast"
+    (tmp_path / "tuned_products.json").write_text(json.dumps(kept))
+    tuning.tune_products(fake_runner())
+    assert len(timed) == 1 and json.loads((tmp_path / "tuned_products.json").read_text())[name] is not None
+    timed.clear()
+
     monkeypatch.setattr(tuning, "machine_tag", lambda device: "GPU B")
     tuning.tune_products(fake_runner())
     assert len(timed) == 10 and len(json.loads((tmp_path / "tuned_products.json").read_text())) == 20
@@ -147,6 +154,11 @@ def test_nothing_to_tune(tuned_table, monkeypatch, tmp_path):
     runner.model.weights = []
     tuning.tune_products(runner)
     assert tuned_table == {} and not (tmp_path / "tuned_products.json").exists()
+
+
+def test_kept_values():
+    assert tuning.is_choice(None) and tuning.is_choice([128, 64, 128, 3, 8, 4])
+    assert not any(tuning.is_choice(v) for v in ("", [128, 64, 128, 3, 8], [128, 64, 128, 3, 8, 0.5], [1] * 5 + [True], {}))
 
 
 def test_unreadable_or_unwritable_choices(tmp_path, caplog):
