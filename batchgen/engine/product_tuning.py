@@ -39,6 +39,7 @@ from batchgen.version import __version__
 log = logging.getLogger("batchgen")
 
 MARGIN = 0.97  # a tile is taken under 97% of cuBLAS's time: closer is within the replays' spread
+TIMING_BYTES = 256 << 20  # weights a timed graph reads (timing_weights)
 TUNING = 2  # kept choices are timed again when this changes (the candidates, the tile kernel, the timing)
 
 
@@ -77,10 +78,19 @@ def graph_time_us(fn, replays: int = 8, rounds: int = 3) -> float:
     return best
 
 
+def timing_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The first of the layers' weights that together pass TIMING_BYTES (at least two): enough that each
+    comes from DRAM, as in a step, not from the L2 after the replay before (~50 MB on an H100/H200)."""
+    count = max(2, -(-TIMING_BYTES // (weights[0].numel() * weights[0].element_size())))
+    return weights[:count]
+
+
 def time_choice(weights: list[torch.Tensor], m: int, silu_mul_out: bool, parts_ok: bool) -> tg.Tile | None:
-    """choose() over graph replays of m rows times each weight (a layer's each), cuBLAS against the
-    candidate tiles, each with the kernel that follows it in a step: after cuBLAS's gate/up its
-    SiLU-and-mul; after o and down (parts_ok) the add + RMSNorm, which sums a split tile's parts."""
+    """choose() over graph replays of m rows times each weight (a layer's each; timing_weights'),
+    cuBLAS against the candidate tiles, each with the kernel that follows it in a step: after cuBLAS's
+    gate/up its SiLU-and-mul; after o and down (parts_ok) the add + RMSNorm, which sums a split tile's
+    parts."""
+    weights = timing_weights(weights)
     n, k = weights[0].shape
     n_out = n // 2 if silu_mul_out else n
     dev = dict(dtype=weights[0].dtype, device=weights[0].device)

@@ -156,6 +156,14 @@ def test_nothing_to_tune(tuned_table, monkeypatch, tmp_path):
     assert tuned_table == {} and not (tmp_path / "tuned_products.json").exists()
 
 
+def test_timing_weights_pass_the_l2():
+    """Enough layers' weights that a graph of them reads 256 MB (each from DRAM), at least two."""
+    layers = lambda shape, count: [torch.empty(*shape, **BF16) for _ in range(count)]  # noqa: E731
+    assert len(tuning.timing_weights(layers(O, 16))) == 16  # 8 MB each: all there are
+    assert len(tuning.timing_weights(layers(GATE_UP, 16))) == 4  # 64 MB each
+    assert len(tuning.timing_weights(layers((28672, 4096), 32))) == 2  # llama-3.1-8b's gate/up, 224 MB
+
+
 def test_kept_values():
     assert tuning.is_choice(None) and tuning.is_choice([128, 64, 128, 3, 8, 4])
     assert not any(tuning.is_choice(v) for v in ("", [128, 64, 128, 3, 8], [128, 64, 128, 3, 8, 0.5], [1] * 5 + [True], {}))
