@@ -17,12 +17,12 @@ from batchgen.engine.cuda_graphs import ModelGraphs
 from batchgen.forward.batch import ForwardBatch
 from batchgen.engine.kv_cache import KVCache
 from batchgen.forward.parallel import SINGLE, TensorParallel
+from batchgen.engine.product_tuning import tune_products
 from batchgen.engine.request import Sequence
 from batchgen.engine.scheduler import ScheduledBatch
 from batchgen.engine.staging import Staging
 from batchgen.engine.shard_sampling import sampling_parameters, samples_from_shards, tokens_from_shards
 from batchgen.engine.step_inputs import HEADER, StepInputs
-from batchgen.engine.product_tuning import tune_products
 from batchgen.engine.warmup import synthetic_batch, warm_sampling, warm_up
 from batchgen.kernels.token_bitmask import apply_token_bitmask
 from batchgen.layers.sampler import SamplingBatch, sample
