@@ -18,6 +18,7 @@ every later start makes the same choices (the same kernels, so the same results)
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -104,17 +105,15 @@ def time_choice(weights: list[torch.Tensor], m: int, silu_mul_out: bool, parts_o
             elif parts_ok:
                 add_rmsnorm(y, residual, norm_weight, 1e-6)
 
-    def tiled():
+    def tiled(tile: tg.Tile):
         for w in weights:
             y = tg.tile_gemm_triton(x, w, silu_mul_out, parts_ok, tile)
             if parts_ok:
                 (add_rmsnorm_parts if y.dim() == 3 else add_rmsnorm)(y, residual, norm_weight, 1e-6)
 
     cublas_us = graph_time_us(cublas) / len(weights)
-    tile_us = {}
-    for tile in tg.candidate_tiles(m, n_out, k, silu_mul_out, num_sms(x.device)):
-        tile_us[tile] = graph_time_us(tiled) / len(weights)
-    return choose(cublas_us, tile_us)
+    tiles = tg.candidate_tiles(m, n_out, k, silu_mul_out, num_sms(x.device))
+    return choose(cublas_us, {tile: graph_time_us(functools.partial(tiled, tile)) / len(weights) for tile in tiles})
 
 
 def choices_file() -> Path:
@@ -169,11 +168,12 @@ def tune_products(runner) -> None:
         start, path, tag = time.perf_counter(), choices_file(), machine_tag(dev)
         kept, timed, taken = load_choices(path), 0, 0
         for shape, weights in products.items():
+            silu_mul_out, parts_ok = shape[-2:]  # (tile_gemm.product_key: n, k, dtype, silu_mul_out, parts_ok)
             for m in sizes:
                 key = (*shape, m)
                 name = f"{tag} | {','.join(map(str, key))}"
                 if not is_choice(kept.get(name, "")):  # not timed yet (or an entry no start wrote)
-                    kept[name] = time_choice(list(weights.values()), m, shape[3], shape[4])
+                    kept[name] = time_choice(list(weights.values()), m, silu_mul_out, parts_ok)
                     timed += 1
                 tile = kept[name]
                 tg.tuned[key] = tuple(tile) if tile else None

@@ -170,11 +170,10 @@ def recording_products():
     """Within: every product tile_for is asked about with MAX_ROWS < rows <= TUNED_MAX_ROWS, by
     product_key less its rows -> {id(weight): weight} (the weights of every layer of that shape)."""
     global _recording
-    _recording, seen = {}, {}
+    _recording = seen = {}
     try:
         yield seen
     finally:
-        seen.update(_recording)
         _recording = None
 
 
