@@ -35,6 +35,25 @@ def test_static_copy_waits_for_the_buffer_s_last_reader():
 
 
 @pytest.mark.gpu
+def test_static_copy_waits_for_this_step_s_reader_not_an_earlier_one():
+    """static_read records one event again each step: the copy waits for the latest reader (a step
+    whose reader is still queued behind a long kernel), not for the step before's, long done."""
+    staging = Staging(torch.device("cuda"), 64)
+    buf = torch.arange(8, device="cuda")
+    seen = []
+    for step in range(3):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SPIN)
+        seen.append(buf * 1)
+        staging.static_read()
+        staging.next_step()
+        staging.to_static(torch.full((8,), 10 + step), buf)
+    torch.cuda.synchronize()
+    assert [s.tolist() for s in seen] == [list(range(8)), [10] * 8, [11] * 8]
+    assert buf.tolist() == [12] * 8
+
+
+@pytest.mark.gpu
 def test_results_are_copied_back_once_produced():
     """Results are copied on the copy-out stream after the step's stream produced them; the event says
     when the host copies may be read."""
