@@ -9,9 +9,10 @@ integer mix (two multiply-xorshift rounds); 23 of its bits make u in (0, 1): wit
 rounded to 2^24 in fp32 for the top half-unit, u was 1 and g = +inf for about one token in 2^24 of
 every row (a 128k vocabulary: one sample in 130 was a uniformly random token; a masked token's
 -inf + inf = NaN won torch's argmax). The Triton kernels read each row of logits once: programs over
-(row, part of the vocabulary), each a running max per lane over its blocks, then one program per row
+(4 rows, part of the vocabulary), each a running max per lane over its blocks, then one program per row
 takes the first best part (a single row of a 128k vocabulary in one program took 97 us on an H200, 256
-rows in 256 programs 157 us; with the parts 142 us, and 69 us with _gumbel_noise's approximate logs).
+rows in 256 programs 157 us; with the parts 142 us, 69-103 us with _gumbel_noise's approximate logs, and
+58 us with 4 rows a program, which hash each token id once for the 4).
 The reference builds the [S, V] noise with int64 torch ops and exact logs; the kernel's noise is within
 3e-6 of it, so a token can differ from the reference's only on a near-tie.
 """
@@ -71,7 +72,7 @@ def _gumbel_noise(bits):
 
 # The part count and size change with the number of rows: not specialized (a value divisible by 16,
 # or 1, would be another compile in the middle of a job); nor the rows' parameters on alignment (kernels/__init__.py).
-@triton.jit(do_not_specialize=["part_size", "num_parts", "token_offset", "step_offset"],
+@triton.jit(do_not_specialize=["num_rows", "part_size", "num_parts", "token_offset", "step_offset"],
             do_not_specialize_on_alignment=["temperatures_ptr", "seeds_ptr", "steps_ptr"])
 def _gumbel_argmax_parts_kernel(
     logits_ptr,  # [S, V] fp32
@@ -82,46 +83,52 @@ def _gumbel_argmax_parts_kernel(
     step_offset,  # added to every row's step (kept sampling parameters: engine/runner.py)
     part_max_ptr,  # [S, P] fp32: the best score of each part of a row
     part_arg_ptr,  # [S, P] int64: its token id
+    num_rows,  # S
     vocab,  # V
     part_size,  # vocabulary entries per part, a multiple of BLOCK
     num_parts,  # P
     token_offset,  # the token id of column 0 (a tensor-parallel rank's shard of the vocabulary)
+    ROWS: tl.constexpr,  # rows a program: the token ids' own hash is made once for all of them
     BLOCK: tl.constexpr,  # vocabulary entries per iteration
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     wait_for_prior_kernels(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_rows
+    rows = tl.where(row_ok, rows, 0).to(tl.int64)  # (rows past S read row 0's parameters, store nothing)
     part = tl.program_id(1)
-    temperature = tl.load(temperatures_ptr + row)
-    seed = tl.load(seeds_ptr + row)
-    step = tl.load(steps_ptr + row) + step_offset
+    temperature = tl.load(temperatures_ptr + rows)
+    seed = tl.load(seeds_ptr + rows)
+    step = tl.load(steps_ptr + rows) + step_offset
     seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    key = _hash32(seed_lo ^ _hash32(seed_hi ^ _hash32((step & 0xFFFFFFFF).to(tl.uint32))))
-    noisy = temperature > 0
-    inv_t = 1.0 / tl.where(noisy, temperature, 1.0)
+    key = _hash32(seed_lo ^ _hash32(seed_hi ^ _hash32((step & 0xFFFFFFFF).to(tl.uint32))))[:, None]  # [ROWS, 1]
+    noisy = (temperature > 0)[:, None]
+    inv_t = (1.0 / tl.where(temperature > 0, temperature, 1.0))[:, None]
     # token id + salt mod 2^32 in uint32 arithmetic, as the reference's (id + salt) & 0xFFFFFFFF
     salted_offset = token_offset.to(tl.uint32) + _SALT
     # a running best per lane, reduced once at the end (a block reduction per iteration cost ~3x)
-    best_val = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    best_idx = tl.zeros([BLOCK], dtype=tl.int32)
+    best_val = tl.full([ROWS, BLOCK], float("-inf"), dtype=tl.float32)
+    best_idx = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
     first = part * part_size
     for start in range(first, tl.minimum(first + part_size, vocab), BLOCK):
         idx = start + tl.arange(0, BLOCK)
         mask = idx < vocab
-        x = tl.load(logits_ptr + row * logits_stride + idx, mask=mask, other=float("-inf"))
-        bits = _hash32(key ^ _hash32(idx.to(tl.uint32) + salted_offset)) >> 9  # 23 bits: u < 1
+        x = tl.load(logits_ptr + rows[:, None] * logits_stride + idx[None, :], mask=row_ok[:, None] & mask[None, :],
+                    other=float("-inf"))
+        token_hash = _hash32(idx.to(tl.uint32) + salted_offset)[None, :]  # [1, BLOCK]: one for all ROWS rows
+        bits = _hash32(key ^ token_hash) >> 9  # 23 bits: u < 1
         score = tl.where(noisy, x * inv_t + _gumbel_noise(bits), x)
-        score = tl.where(mask, score, float("-inf"))
+        score = tl.where(mask[None, :], score, float("-inf"))
         better = score > best_val  # strict: a lane keeps its first maximum
-        best_idx = tl.where(better, idx, best_idx)
+        best_idx = tl.where(better, idx[None, :], best_idx)
         best_val = tl.where(better, score, best_val)
-    top = tl.max(best_val, axis=0)
+    top = tl.max(best_val, axis=1)
     # the smallest token id among the lanes at the maximum: the first maximum, as torch.argmax
     # (only -inf scores: token 0, as before the parts)
-    best_idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), axis=0)
-    tl.store(part_max_ptr + row * num_parts + part, top)
-    tl.store(part_arg_ptr + row * num_parts + part, best_idx.to(tl.int64) + token_offset)
+    best_idx = tl.min(tl.where(best_val == top[:, None], best_idx, 2147483647), axis=1)
+    tl.store(part_max_ptr + rows * num_parts + part, top, mask=row_ok)
+    tl.store(part_arg_ptr + rows * num_parts + part, best_idx.to(tl.int64) + token_offset, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_parts"])
@@ -150,7 +157,10 @@ def _argmax_of_parts_kernel(
         tl.store(best_ptr + row, tl.load(part_max_ptr + row * num_parts + part))
 
 
-BLOCK = 1024
+# 4 rows of 512 entries a program: 58 us at 256 rows of a 128k vocabulary (H200, benchmarks/KERNELS.md)
+# against 69-103 us for a row of 1,024 a program, which made each token's own hash once a row
+ROWS = 4
+BLOCK = 512
 PROGRAMS = 1024  # enough programs to fill an H100/H200 (132 SMs) several times over
 MAX_PARTS = 128
 
@@ -190,15 +200,16 @@ def _launch(logits, temperatures, seeds, steps, parts, token_offset, want_best, 
         assert keep is None
         return best.fill_(float("-inf")), out.fill_(token_offset)
     blocks = triton.cdiv(vocab, BLOCK)
-    parts = min(blocks, MAX_PARTS, parts or triton.cdiv(PROGRAMS, rows))
+    row_blocks = triton.cdiv(rows, ROWS)
+    parts = min(blocks, MAX_PARTS, parts or triton.cdiv(PROGRAMS, row_blocks))
     part_size = triton.cdiv(blocks, parts) * BLOCK
     parts = triton.cdiv(vocab, part_size)  # (no empty part)
     part_max = torch.empty((rows, parts), dtype=torch.float32, device=logits.device)
     part_arg = torch.empty((rows, parts), dtype=torch.int64, device=logits.device)
     pdl = pdl_launch_args(logits.device)
-    _gumbel_argmax_parts_kernel[(rows, parts)](
+    _gumbel_argmax_parts_kernel[(row_blocks, parts)](
         logits, logits.stride(0), temperatures, seeds, steps, step_offset, part_max, part_arg,
-        vocab, part_size, parts, token_offset, BLOCK=BLOCK, num_warps=4, **pdl,
+        rows, vocab, part_size, parts, token_offset, ROWS=ROWS, BLOCK=BLOCK, num_warps=4, **pdl,
     )
     if keep is not None:
         assert keep.dtype == torch.int64 and keep.device == logits.device and keep.numel() >= rows
