@@ -24,6 +24,7 @@ import torch
 from batchgen.engine.kv_cache import KVCache
 from batchgen.engine.step_inputs import FIELDS, HEADER, SCALARS
 from batchgen.forward.batch import ForwardBatch
+from batchgen.kernels.longest_first import longest_first
 from batchgen.kernels.unpack_decode import unpack_decode
 
 
@@ -65,6 +66,8 @@ class ModelGraphs:
         self.seq_rows = torch.full((max_num_seqs,), kv.pad_row, **i32)
         self.kv_lens = torch.ones(max_num_seqs, **i32)
         self.q_start = torch.zeros(max_num_seqs + 1, **i32)
+        # decode graphs of 2 or more: the sequences longest context first (made in the graph)
+        self.decode_schedule = torch.zeros(3 * max_num_seqs, **i32)
         # decode graphs: a decode-only step's packed inputs (at most len(FIELDS) + 1 values a sequence;
         # zeros read as an empty step), and the tokens of the step in flight
         self.packed = torch.zeros(HEADER + len(FIELDS) * (max_num_seqs + 1), **i64)
@@ -94,6 +97,8 @@ class ModelGraphs:
             unpack_decode(self.packed, self.last_tokens, fb.input_ids, fb.positions, fb.out_slots, fb.decode_rows,
                           fb.decode_kv_lens, self.kv.req_to_token, self.kv.pad_slot, self.kv.pad_row, len(SCALARS),
                           FIELDS)
+            if fb.decode_schedule is not None:  # once for every layer's attention
+                longest_first(fb.decode_kv_lens, fb.decode_rows, out=fb.decode_schedule)
         return self.model(fb)
 
     def _static_batch(self, kind: str, n: int) -> ForwardBatch:
@@ -108,6 +113,8 @@ class ModelGraphs:
             return ForwardBatch(
                 **common, token_rows=rows, num_decode=n, decode_rows=rows, decode_kv_lens=lens,
                 decode_max_kv_len=width,  # any length: the kernel reads kv_lens
+                # (one row, or the CPU's attention: no order)
+                decode_schedule=self.decode_schedule[: 3 * n].view(3, n) if n > 1 and rows.is_cuda else None,
                 prefill_rows=empty32, prefill_q_start=empty32, prefill_q_lens=empty32, prefill_kv_lens=empty32,
                 prefill_max_q_len=0, logits_indices=self.decode_logits[:n],
             )

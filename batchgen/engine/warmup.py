@@ -17,6 +17,7 @@ import triton
 
 from batchgen.engine.kv_cache import KVCache
 from batchgen.forward.batch import ForwardBatch
+from batchgen.kernels.decode_attention import DENSE_PROGRAMS_PER_SM, num_sms
 from batchgen.kernels.gumbel_argmax import gumbel_max
 from batchgen.kernels.token_bitmask import apply_token_bitmask
 from batchgen.layers.sampler import SamplingBatch, sample
@@ -107,9 +108,15 @@ def warm_up(runner) -> None:
     start = time.perf_counter()
     kv, dev = runner.kv, runner.device
     # token counts 1, 2 (odd), 17 (odd), 64 (a multiple of 16); decode-only, prefill-only and mixed;
-    # decode contexts of one block of keys (one split: written straight out) and of several (merged)
+    # decode contexts of one block of keys (one split: written straight out) and of several (merged), for
+    # one sequence (in index order) and for several (longest first: kernels/longest_first.py)
     long = min(160, kv.req_to_token.shape[1])
-    steps = [([5], []), ([5, 9], []), ([long, 9], []), ([], [(17, 17)]), ([7, 3], [(15, 40)]), ([8] * 16, [(48, 48)])]
+    steps = [([5], []), ([long], []), ([5, 9], []), ([long, 9], []), ([], [(17, 17)]), ([7, 3], [(15, 40)]),
+             ([8] * 16, [(48, 48)])]
+    # decode attention's tile for many programs (kernels/decode_attention.pick_tile), where a job can have them
+    dense = triton.cdiv(DENSE_PROGRAMS_PER_SM * num_sms(dev), kv.k.shape[2])
+    if dense <= runner.config.max_num_seqs:
+        steps.append(([5] * dense, []))
     with torch.inference_mode():
         for decode_lens, chunks in steps:
             fb = synthetic_batch(kv, dev, decode_lens, chunks)

@@ -38,6 +38,9 @@ class ForwardBatch:
     seq_rows: torch.Tensor | None = None  # [B] int32, req_to_token row of each sequence
     q_start: torch.Tensor | None = None  # [B + 1] int32, cumulative query counts
     kv_lens: torch.Tensor | None = None  # [B] int32, context length including the new tokens
+    # [3, D] int32, the decode sequences longest context first with their kv_lens and rows
+    # (kernels/longest_first.py), made once a step for every layer (a decode graph's); None: each layer's own
+    decode_schedule: torch.Tensor | None = None
 
     @property
     def num_prefill(self) -> int:

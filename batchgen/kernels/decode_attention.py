@@ -27,12 +27,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from batchgen.kernels.longest_first import longest_first
 from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.store_kv import query_for_kv_dot
 
 
 # num_splits follows the batch and its lengths, index arrays are views: neither specialized (kernels/__init__.py)
-@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["req_rows_ptr", "kv_lens_ptr"])
+@triton.jit(do_not_specialize=["num_splits"],
+            do_not_specialize_on_alignment=["req_rows_ptr", "kv_lens_ptr", "schedule_ptr"])
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D] (may be a slice of the fused qkv output)
     q_stride_b,  # elements between two sequences of q
@@ -45,6 +47,7 @@ def _decode_split_kernel(
     req_to_token_stride,  # elements between two rows of req_to_token
     req_rows_ptr,  # [B] int32 row of each sequence in req_to_token
     kv_lens_ptr,  # [B] int32 context length of each sequence
+    schedule_ptr,  # [3, B] int32 (SCHEDULED): sequences, kv_lens, rows in program order (kernels/longest_first.py)
     part_o_ptr,  # [B, Hq, C, D] fp32 o_c of each split (contiguous)
     part_lse_ptr,  # [B, Hq, C] fp32 lse_c of each split (contiguous)
     out_ptr,  # [B, Hq, D] the output, written here when C == 1
@@ -54,6 +57,7 @@ def _decode_split_kernel(
     num_splits,  # C, the most splits of one sequence
     qk_scale,  # softmax scale * log2(e)
     DIRECT: tl.constexpr,  # C == 1: o = o_0, stored in out (no merge launch, no fp32 round trip)
+    SCHEDULED: tl.constexpr,  # programs take sequences in the schedule's order, else in index order
     GROUP: tl.constexpr,  # G = Hq / Hk
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_G: tl.constexpr,  # next power of 2 >= G, at least 16 (the smallest tl.dot tile)
@@ -67,8 +71,15 @@ def _decode_split_kernel(
     # the same slots.
     kv_head = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
-    seq = tl.program_id(2).to(tl.int64)
-    kv_len = tl.load(kv_lens_ptr + seq)
+    if SCHEDULED:  # (three independent loads: no latency for the index before the others)
+        num_seqs = tl.num_programs(2)
+        seq = tl.load(schedule_ptr + tl.program_id(2)).to(tl.int64)
+        kv_len = tl.load(schedule_ptr + num_seqs + tl.program_id(2))
+        req_row = tl.load(schedule_ptr + 2 * num_seqs + tl.program_id(2))
+    else:
+        seq = tl.program_id(2).to(tl.int64)
+        kv_len = tl.load(kv_lens_ptr + seq)
+        req_row = tl.load(req_rows_ptr + seq)
     split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N  # S_i
     split_start = split * split_len
     group = tl.arange(0, BLOCK_G)
@@ -83,7 +94,7 @@ def _decode_split_kernel(
             tl.store(out_ptrs, tl.zeros([BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=out_mask)
         return
     split_end = tl.minimum(split_start + split_len, kv_len)
-    token_row = req_to_token_ptr + tl.load(req_rows_ptr + seq).to(tl.int64) * req_to_token_stride
+    token_row = req_to_token_ptr + req_row.to(tl.int64) * req_to_token_stride
     q = tl.load(
         q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
         mask=group_mask[:, None] & dim_mask[None, :],
@@ -178,10 +189,24 @@ def num_sms(device: torch.device) -> int:
 
 
 # (BLOCK_N, warps, stages), tuned on an H200 for 16-bit queries (benchmarks/KERNELS.md); fp32 and
-# head_dim > 128 take small tiles that fit anywhere.
-TILE_HEAD_DIM_64 = (128, 4, 2)
+# head_dim > 128 take small tiles that fit anywhere. Head_dim 64 with at least DENSE_PROGRAMS_PER_SM
+# programs an SM (llama-3.2-1b from 132 sequences): smaller tiles, more of them resident, the sequences
+# longest first (kernels/longest_first.py): 6-12% less time than (128, 4, 2) at 160-256 sequences.
+TILE_HEAD_DIM_64 = (128, 4, 3)
+TILE_HEAD_DIM_64_DENSE = (64, 2, 3)
+DENSE_PROGRAMS_PER_SM = 8
 TILE_HEAD_DIM_128 = (64, 4, 3)
 TILE_SMALL = (32, 4, 1)
+
+
+def pick_tile(dtype: torch.dtype, head_dim: int, programs: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages) for queries of this dtype and head_dim, at `programs` = sequences x kv
+    heads (programs before any split)."""
+    if dtype == torch.float32 or head_dim > 128:
+        return TILE_SMALL
+    if head_dim > 64:
+        return TILE_HEAD_DIM_128
+    return TILE_HEAD_DIM_64_DENSE if programs >= DENSE_PROGRAMS_PER_SM * sms else TILE_HEAD_DIM_64
 
 
 def pick_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, sms: int,
@@ -193,7 +218,7 @@ def pick_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: 
 
 def _decode_attention_launch(
     q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale,
-    num_splits, block_n, num_warps, num_stages,
+    num_splits, block_n, num_warps, num_stages, schedule=None,
 ):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -209,17 +234,21 @@ def _decode_attention_launch(
     part_o = torch.empty((num_seqs, num_q_heads, 0 if direct else num_splits, head_dim), **f32)
     part_lse = torch.empty((num_seqs, num_q_heads, 0 if direct else num_splits), **f32)
     block_d = max(triton.next_power_of_2(head_dim), 16)
+    scheduled = num_seqs > 1  # (one sequence: nothing to order)
+    if scheduled and schedule is None:
+        schedule = longest_first(kv_lens, req_rows)
     pdl = pdl_launch_args(q.device)
     _decode_split_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         req_to_token, req_to_token.stride(0),
-        req_rows, kv_lens,
+        req_rows, kv_lens, schedule if scheduled else kv_lens,
         part_o, part_lse,
         out, out.stride(0), out.stride(1),
         num_q_heads, num_splits,
         scale * math.log2(math.e),
         DIRECT=direct,
+        SCHEDULED=scheduled,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_G=max(triton.next_power_of_2(group), 16),
@@ -254,17 +283,15 @@ def decode_attention_triton(
     kv_lens: torch.Tensor,
     max_kv_len: int,
     scale: float,
+    schedule: torch.Tensor | None = None,
 ) -> torch.Tensor:
     head_dim = q.shape[2]
-    if q.dtype == torch.float32 or head_dim > 128:
-        block_n, num_warps, num_stages = TILE_SMALL
-    else:
-        block_n, num_warps, num_stages = TILE_HEAD_DIM_64 if head_dim <= 64 else TILE_HEAD_DIM_128
     sms = num_sms(q.device) if q.is_cuda else 4
+    block_n, num_warps, num_stages = pick_tile(q.dtype, head_dim, q.shape[0] * k_cache.shape[1], sms)
     num_splits = pick_num_splits(q.shape[0], k_cache.shape[1], max_kv_len, block_n, sms)
     return _decode_attention_launch(
         q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale,
-        num_splits, block_n, num_warps, num_stages,
+        num_splits, block_n, num_warps, num_stages, schedule,
     )
 
 
@@ -331,11 +358,14 @@ def decode_attention(
     kv_lens: torch.Tensor,
     max_kv_len: int,
     scale: float,
+    schedule: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D]; k_cache, v_cache: [num_slots, Hk, D]; req_to_token: [rows, max_len] int32;
-    req_rows, kv_lens: [B] int32; max_kv_len: an upper bound of kv_lens -> o: [B, Hq, D]."""
+    req_rows, kv_lens: [B] int32; max_kv_len: an upper bound of kv_lens -> o: [B, Hq, D].
+    schedule: longest_first(kv_lens, req_rows) when the caller has it (one a step for every layer),
+    else made here."""
     if q.is_cuda:
         return decode_attention_triton(
-            q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale
+            q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale, schedule
         )
     return decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale)

@@ -59,13 +59,13 @@ class Attention(nn.Module):
         if batch.num_prefill == 0:
             return decode_attention(
                 q, self.k_cache, self.v_cache, batch.req_to_token, batch.decode_rows,
-                batch.decode_kv_lens, batch.decode_max_kv_len, self.scale,
+                batch.decode_kv_lens, batch.decode_max_kv_len, self.scale, batch.decode_schedule,
             )
         out = torch.empty_like(q)
         if nd:
             out[:nd] = decode_attention(
                 q[:nd], self.k_cache, self.v_cache, batch.req_to_token, batch.decode_rows,
-                batch.decode_kv_lens, batch.decode_max_kv_len, self.scale,
+                batch.decode_kv_lens, batch.decode_max_kv_len, self.scale, batch.decode_schedule,
             )
         out[nd:] = prefill_attention(
             q[nd:], self.k_cache, self.v_cache, batch.req_to_token, batch.prefill_rows,
