@@ -6,7 +6,8 @@ token's own K/V is already stored). GQA: query head h reads KV head h // (Hq / H
 
 The Triton version is flash-decoding in two launches. Each sequence's context is cut into at most C
 splits of S_i = ceil(kv_lens[i] / C) keys (rounded up to BLOCK_N), S_i computed on the device.
-Stage 1: program (kv head, c, i) takes split c = [c * S_i, (c + 1) * S_i) of sequence i's context and
+Stage 1: program (kv head, c, j) takes split c = [c * S_i, (c + 1) * S_i) of sequence i = schedule[0, j]
+(the sequences longest context first, so that no long one starts last: kernels/longest_first.py) and
 all G = Hq / Hk query heads of the kv head at once (one [G, BLOCK_N] tile per step, so the keys
 and values are read once per group), and writes for each query head, with s = q.k * scale * log2(e),
     lse_c = m_c + log2(sum_{p in c} 2^(s_p - m_c)),   o_c = sum_{p in c} 2^(s_p - lse_c) v_p
@@ -237,6 +238,7 @@ def _decode_attention_launch(
     scheduled = num_seqs > 1  # (one sequence: nothing to order)
     if scheduled and schedule is None:
         schedule = longest_first(kv_lens, req_rows)
+    assert not scheduled or (schedule.shape == (3, num_seqs) and schedule.is_contiguous())
     pdl = pdl_launch_args(q.device)
     _decode_split_kernel[(num_kv_heads, num_splits, num_seqs)](
         q, q.stride(0), q.stride(1),

@@ -3,10 +3,15 @@ import torch
 
 from tests.kernels.attention_batch import make_batch
 from batchgen.kernels.decode_attention import (
+    TILE_HEAD_DIM_64,
+    TILE_HEAD_DIM_64_DENSE,
+    TILE_HEAD_DIM_128,
+    TILE_SMALL,
     _decode_attention_launch,
     decode_attention_cpu,
     decode_attention_ref,
     decode_attention_triton,
+    pick_tile,
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -88,3 +93,27 @@ def test_decode_attention_in_cuda_graph(device, assert_close):
         batch.q.normal_()
         graph.replay()
         assert_close(out, decode_attention_ref(*args))
+
+
+def test_the_dense_tile_from_eight_programs_an_sm():
+    """Head_dim 64: the 64-key tile once sequences x kv heads reach 8 an SM (llama-3.2-1b on 132 SMs:
+    from 132 sequences), the 128-key tile below; fp32 and other head sizes keep theirs."""
+    bf16 = torch.bfloat16
+    assert pick_tile(bf16, 64, 131 * 8, 132) == TILE_HEAD_DIM_64
+    assert pick_tile(bf16, 64, 132 * 8, 132) == TILE_HEAD_DIM_64_DENSE
+    assert pick_tile(bf16, 128, 256 * 8, 132) == TILE_HEAD_DIM_128
+    assert pick_tile(torch.float32, 64, 256 * 8, 132) == TILE_SMALL
+
+
+@pytest.mark.gpu
+def test_decode_attention_at_the_dense_tile(device, assert_close):
+    """Enough sequences for the 64-key tile (8 programs an SM), contexts of 1 to 2,000 keys in
+    random order, so the schedule reorders them."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    num_seqs = sms + 3  # x 8 kv heads: 8 programs an SM and more
+    gen = torch.Generator().manual_seed(1)
+    lens = torch.randint(1, 2000, (num_seqs,), generator=gen).tolist()
+    batch = make_batch([(1, n) for n in lens], 32, 8, 64, torch.bfloat16, device, seed=2, table_len=2048)
+    args = _args(batch, 2048, 64**-0.5)
+    assert pick_tile(torch.bfloat16, 64, num_seqs * 8, sms) == TILE_HEAD_DIM_64_DENSE
+    assert_close(decode_attention_triton(*args), decode_attention_ref(*args))
