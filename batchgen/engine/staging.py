@@ -50,9 +50,9 @@ class Staging:
             self.arenas = {dt: PinnedArena(capacity, dt) for dt in (torch.int64, torch.int32, torch.float32)}
             self.copy_in, self.copy_out = torch.cuda.Stream(device), torch.cuda.Stream(device)
             # the last reader of the static buffer is done: one event, recorded again each step (a wait
-            # takes the record before it, so the copy-in stream never waits on a later one)
+            # takes the record before it, so the copy-in stream never waits on a later one; before the
+            # first record a wait is a no-op)
             self._static_read = torch.cuda.Event()
-            self._static_recorded = False
 
     def next_step(self) -> None:
         if self.arenas:
@@ -78,8 +78,7 @@ class Staging:
             out[:n].copy_(values)
             return
         values = self.arenas[torch.int64].take(n).copy_(values)
-        if self._static_recorded:
-            self.copy_in.wait_event(self._static_read)
+        self.copy_in.wait_event(self._static_read)
         with torch.cuda.stream(self.copy_in):
             out[:n].copy_(values, non_blocking=True)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_in)
@@ -89,7 +88,6 @@ class Staging:
         (after the graph replay that read it)."""
         if self.arenas is not None:
             self._static_read.record()
-            self._static_recorded = True
 
     def to_host(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
         """Start copying device tensors back, on the copy-out stream once the current stream has

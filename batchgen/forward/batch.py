@@ -39,7 +39,8 @@ class ForwardBatch:
     q_start: torch.Tensor | None = None  # [B + 1] int32, cumulative query counts
     kv_lens: torch.Tensor | None = None  # [B] int32, context length including the new tokens
     # [3, D] int32, the decode sequences longest context first with their kv_lens and rows
-    # (kernels/longest_first.py), made once a step for every layer (a decode graph's); None: each layer's own
+    # (kernels/longest_first.py), made once a step for every layer (by a decode graph, or the runner before
+    # an eager step); None: each layer makes its own
     decode_schedule: torch.Tensor | None = None
 
     @property

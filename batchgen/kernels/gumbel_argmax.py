@@ -169,8 +169,8 @@ def gumbel_argmax_triton(
     logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
     parts: int | None = None, step_offset: int = 0, keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each row's vocabulary is cut into `parts` (default: enough programs for the GPU, one for a
-    large batch, ~126 for a single row of a 128k vocabulary); each part's best score and token, then
+    """Each row's vocabulary is cut into `parts` (default: about PROGRAMS programs of ROWS rows each, 16
+    parts at 256 rows, 128 for a single row of a 128k vocabulary); each part's best score and token, then
     the first best part of each row. The token does not depend on the number of parts. The rows'
     steps are steps + step_offset; keep [>= S] int64, when given, receives the tokens too (from the
     same kernel: no copy after it)."""
