@@ -28,8 +28,17 @@ from batchgen.kernels.longest_first import longest_first
 from batchgen.kernels.unpack_decode import unpack_decode
 
 
+# From this many rows a decode step's products are bound by compute, not by reading the weights
+# (llama-3.2-1b on an H200: ~166 rows), so the rows a graph pads a batch with cost time: the ladder
+# takes steps of 8 rows from here (cuBLAS's tiles are multiples of 8 rows), 16 below.
+FINE_LADDER_FROM = 128
+
+
 def batch_size_ladder(max_bs: int) -> list[int]:
-    sizes = [n for n in (1, 2, 4, 8) if n < max_bs] + list(range(16, max_bs, 16))
+    """The decode graphs' batch sizes: 1, 2, 4, 8, then every 16 rows, every 8 from FINE_LADDER_FROM,
+    and max_bs."""
+    sizes = [n for n in (1, 2, 4, 8) if n < max_bs] + list(range(16, min(max_bs, FINE_LADDER_FROM), 16))
+    sizes += list(range(FINE_LADDER_FROM, max_bs, 8))
     return sizes + [max_bs]
 
 

@@ -15,6 +15,12 @@ def test_ladders_cover_every_size():
         assert any(s >= n for s in token_count_ladder(8192))
     assert batch_size_ladder(256)[:5] == [1, 2, 4, 8, 16] and batch_size_ladder(256)[-1] == 256
     assert batch_size_ladder(5) == [1, 2, 4, 5]
+    assert batch_size_ladder(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
+    # every 8 rows from 128 (compute-bound products pay for padded rows), every 16 below
+    ladder = batch_size_ladder(256)
+    assert ladder[ladder.index(112):ladder.index(144) + 1] == [112, 128, 136, 144]
+    assert all(b - a == 8 for a, b in zip(ladder[ladder.index(128):], ladder[ladder.index(128) + 1:]))
+    assert batch_size_ladder(130)[-3:] == [112, 128, 130]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
