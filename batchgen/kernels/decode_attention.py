@@ -29,7 +29,9 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.longest_first import longest_first
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.pdl import (
+    let_next_kernel_start, pdl_launch_args, wait_for_prior_kernels, wait_only_for_prior_kernels,
+)
 from batchgen.kernels.store_kv import query_for_kv_dot
 
 
@@ -67,7 +69,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    wait_for_prior_kernels(PDL)
+    wait_only_for_prior_kernels(PDL)  # (the next kernel starts as the programs finish reading: below)
     # The kv heads of one (sequence, split) run side by side: they read neighbouring bytes of
     # the same slots.
     kv_head = tl.program_id(0).to(tl.int64)
@@ -124,6 +126,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    let_next_kernel_start(PDL)
     if DIRECT:
         tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:

@@ -10,7 +10,10 @@ step of one sequence, ~140 small kernels run back to back and each such gap is a
   (weights; kernels/rope_decode_attention.py also the step's index arrays and the cached K/V of
   earlier steps: every kernel before that one has finished, by the next rule), and writes nothing;
 - right after the wait it lets the next kernel start (griddepcontrol.launch_dependents), so at most
-  the next kernel waits beside it, never a cascade of them.
+  the next kernel waits beside it, never a cascade of them. A kernel of several waves of programs
+  (decode attention's split kernel) lets it start later, each program once it has read its keys
+  (wait_only_for_prior_kernels, then let_next_kernel_start): the next kernel's programs, put on the
+  SMs early, would hold room its later waves need.
 
 Any kernel after the wait has finished: the one before it waited for its own predecessor, and so on.
 Kernels launched without PDL (torch's, cuBLAS, NCCL) keep the stream's full order. CUDA graphs
@@ -54,3 +57,21 @@ def wait_for_prior_kernels(PDL: tl.constexpr):
     if PDL:
         cuda_extra.gdc_wait()
         cuda_extra.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_only_for_prior_kernels(PDL: tl.constexpr):
+    """The wait alone, for a kernel of several waves of programs: it lets the next kernel start later
+    (let_next_kernel_start, as its programs finish), because the next kernel's programs, put on the SMs
+    early, would sit there waiting and hold the room of this kernel's later waves."""
+    if PDL:
+        cuda_extra.gdc_wait()
+
+
+@triton.jit
+def let_next_kernel_start(PDL: tl.constexpr):
+    """This program's part of letting the next kernel start (it starts once every program has called
+    this or exited)."""
+    if PDL:
+        cuda_extra.gdc_launch_dependents()
+
