@@ -74,4 +74,3 @@ def let_next_kernel_start(PDL: tl.constexpr):
     this or exited)."""
     if PDL:
         cuda_extra.gdc_launch_dependents()
-

@@ -24,7 +24,7 @@ def tuned_table(monkeypatch):
 
 
 def test_sizes_between_the_fixed_rule_and_the_limit():
-    assert tuning.tuned_sizes(256, 8192) == [80, 96, 112] + list(range(128, 257, 8))  # (decode graphs: every 8 from 128)
+    assert tuning.tuned_sizes(256, 8192) == [80, 96, 112] + list(range(128, 257, 8))  # (the decode ladder)
     assert tuning.tuned_sizes(96, 8192) == [80, 96, 128, 192, 256]  # (step graphs of 128, 192, 256 tokens)
     assert tuning.tuned_sizes(64, 64) == []
 
