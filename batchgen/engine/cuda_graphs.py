@@ -24,7 +24,7 @@ import torch
 from batchgen.engine.kv_cache import KVCache
 from batchgen.engine.step_inputs import FIELDS, HEADER, SCALARS
 from batchgen.forward.batch import ForwardBatch
-from batchgen.kernels.longest_first import longest_first
+from batchgen.kernels.longest_first import is_ordered, longest_first
 from batchgen.kernels.unpack_decode import unpack_decode
 
 
@@ -122,8 +122,7 @@ class ModelGraphs:
             return ForwardBatch(
                 **common, token_rows=rows, num_decode=n, decode_rows=rows, decode_kv_lens=lens,
                 decode_max_kv_len=width,  # any length: the kernel reads kv_lens
-                # (one row, or the CPU's attention: no order)
-                decode_schedule=self.decode_schedule[: 3 * n].view(3, n) if n > 1 and rows.is_cuda else None,
+                decode_schedule=self.decode_schedule[: 3 * n].view(3, n) if is_ordered(n, rows.device) else None,
                 prefill_rows=empty32, prefill_q_start=empty32, prefill_q_lens=empty32, prefill_kv_lens=empty32,
                 prefill_max_q_len=0, logits_indices=self.decode_logits[:n],
             )

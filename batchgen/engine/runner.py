@@ -24,7 +24,7 @@ from batchgen.engine.staging import Staging
 from batchgen.engine.shard_sampling import sampling_parameters, samples_from_shards, tokens_from_shards
 from batchgen.engine.step_inputs import HEADER, StepInputs
 from batchgen.engine.warmup import synthetic_batch, warm_sampling, warm_up
-from batchgen.kernels.longest_first import longest_first
+from batchgen.kernels.longest_first import is_ordered, longest_first
 from batchgen.kernels.token_bitmask import apply_token_bitmask
 from batchgen.layers.sampler import SamplingBatch, sample
 from batchgen.models.loader import build_model
@@ -287,7 +287,7 @@ class ModelRunner:
         if key is not None:
             hidden = self.graphs.run(fb, key)
         else:
-            if fb.num_decode > 1 and fb.decode_kv_lens.is_cuda:  # once for every layer's decode attention
+            if is_ordered(fb.num_decode, fb.decode_kv_lens.device):  # once for every layer's decode attention
                 fb.decode_schedule = longest_first(fb.decode_kv_lens, fb.decode_rows)
             hidden = self.model(fb)
         return self._logits(hidden, inputs)

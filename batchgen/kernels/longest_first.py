@@ -54,7 +54,9 @@ def _longest_first_kernel(
 BLOCK = 64
 
 
-def longest_first_triton(kv_lens: torch.Tensor, req_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def longest_first_triton(
+    kv_lens: torch.Tensor, req_rows: torch.Tensor, out: torch.Tensor | None = None,
+) -> torch.Tensor:
     num_seqs = kv_lens.shape[0]
     schedule = torch.empty((3, num_seqs), dtype=torch.int32, device=kv_lens.device) if out is None else out
     assert kv_lens.dtype == req_rows.dtype == torch.int32 and req_rows.shape == kv_lens.shape
@@ -68,6 +70,12 @@ def longest_first_triton(kv_lens: torch.Tensor, req_rows: torch.Tensor, out: tor
 def longest_first_ref(kv_lens: torch.Tensor, req_rows: torch.Tensor) -> torch.Tensor:
     order = torch.argsort(kv_lens, descending=True, stable=True)
     return torch.stack([order.to(torch.int32), kv_lens[order], req_rows[order]])
+
+
+def is_ordered(num_seqs: int, device: torch.device) -> bool:
+    """Whether decode attention takes these sequences through a schedule: two or more on a GPU (one has
+    nothing to order; the CPU path reads them in index order)."""
+    return num_seqs > 1 and device.type == "cuda"
 
 
 def longest_first(kv_lens: torch.Tensor, req_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
