@@ -146,7 +146,7 @@ class LLMEngine:
             inputs, samplers, scored = self.runner.step_inputs(batch)
             if self.workers is not None:
                 self.workers.send(inputs)  # the other ranks run the same step
-            logits = self.runner.launch_forward(inputs, self.in_flight)
+            logits = self.runner.launch_forward(inputs, self.in_flight, self.runner.logits_dtype(samplers, scored))
             if not any(seq.structured is not None for seq in samplers):
                 launched = self.runner.launch_sampling(logits, samplers, scored,
                                                        from_shards=bool(inputs.sample_from_shards))

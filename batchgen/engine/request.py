@@ -173,6 +173,9 @@ class Sequence:
         self.grammar = None
         self.matcher = None
         self.error: str | None = None  # set when the sequence failed in the engine (its grammar)
+        # its tokens come from a plain sample of the logits alone (argmax or Gumbel-max): set by
+        # build_sequence (runner.ModelRunner.logits_dtype)
+        self.plain_sampling = False
 
     @property
     def num_tokens(self) -> int:
@@ -218,6 +221,9 @@ def build_sequence(prepared: PreparedRequest, eos_ids: list[int]) -> Sequence:
     if prepared.top_logprobs is not None:
         seq.num_top_logprobs, seq.top_logprobs = prepared.top_logprobs, []
     seq.structured = prepared.structured
+    params = seq.params
+    seq.plain_sampling = (not prepared.outputs and prepared.top_logprobs is None and seq.structured is None
+                          and params.top_k == -1 and params.top_p == 1.0 and params.min_tokens == 0)
     return seq
 
 

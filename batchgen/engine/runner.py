@@ -264,10 +264,11 @@ class ModelRunner:
             fb.req_to_token[a["prefix_rows"], a["prefix_positions"]] = a["prefix_slots"].to(torch.int32)
         return fb
 
-    def run_step(self, inputs: StepInputs, previous_tokens: torch.Tensor | None) -> torch.Tensor:
-        """The model on one step (every rank) -> logits [num_logits, V] fp32. Steps that score no
-        prompt tokens replay a CUDA graph (docs/STEP.md); the LM head runs after the replay, on
-        exactly the rows that sample."""
+    def run_step(self, inputs: StepInputs, previous_tokens: torch.Tensor | None,
+                 logits_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The model on one step (every rank) -> logits [num_logits, V] in logits_dtype (fp32, or the
+        model's dtype: logits_dtype()). Steps that score no prompt tokens replay a CUDA graph
+        (docs/STEP.md); the LM head runs after the replay, on exactly the rows that sample."""
         if self.graphs is not None and inputs.decode_only:
             key = self.graphs.decode_key(inputs.num_decode)
             if key is not None:  # one copy: the graph unpacks it, pending tokens from graphs.last_tokens
@@ -278,7 +279,7 @@ class ModelRunner:
                     self.kv.req_to_token[a["prefix_rows"], a["prefix_positions"]] = a["prefix_slots"].to(torch.int32)
                 hidden = self.graphs.run_decode(key, inputs.num_decode)
                 self.staging.static_read()  # (the graph's first kernel has unpacked graphs.packed)
-                return self._logits(hidden, inputs)
+                return self._logits(hidden, inputs, logits_dtype)
         fb = self.forward_batch(inputs, previous_tokens)
         fb.record_slots()  # (a step graph holds no table writes: their number varies from step to step)
         key = None
@@ -290,14 +291,24 @@ class ModelRunner:
             if is_ordered(fb.num_decode, fb.decode_kv_lens.device):  # once for every layer's decode attention
                 fb.decode_schedule = longest_first(fb.decode_kv_lens, fb.decode_rows)
             hidden = self.model(fb)
-        return self._logits(hidden, inputs)
+        return self._logits(hidden, inputs, logits_dtype)
 
-    def _logits(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, inputs: StepInputs, logits_dtype: torch.dtype) -> torch.Tensor:
         """The whole vocabulary's logits [S, V], or this rank's shard of them where the step samples
         from shards (engine/shard_sampling.py)."""
         if inputs.sample_from_shards:
             return self.model.lm_head.shard_logits(hidden)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, fp32=logits_dtype == torch.float32)
+
+    def logits_dtype(self, samplers: list[Sequence], scored: list) -> torch.dtype:
+        """The dtype a step's logits are made in: the model's 16-bit dtype where they are only sampled,
+        plainly (argmax or Gumbel-max: no log-probabilities, top-k/top-p, grammar mask or banned tokens),
+        on one GPU. HF transformers and vLLM sample from logits in that dtype too, and the LM head
+        writes half the bytes that the sampler reads back: 13-17 us less a step of 64-256 rows of a
+        128k vocabulary on an H200 (KERNELS.md, session 27). Else fp32."""
+        narrow = (self.dtype != torch.float32 and self.device.type == "cuda" and self.tp.size == 1
+                  and not scored and all(seq.plain_sampling for seq in samplers))
+        return self.dtype if narrow else torch.float32
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """The model on a batch whose slots are in the token table -> logits [S, V] fp32."""
@@ -337,9 +348,11 @@ class ModelRunner:
         return batch
 
     @torch.inference_mode()
-    def launch_forward(self, inputs: StepInputs, previous: StepOutput | None) -> torch.Tensor:
-        """Rank 0: queue a step's forward -> its logits [num_logits, V] fp32, not waited for."""
-        return self.run_step(inputs, previous.tokens if previous is not None else None)
+    def launch_forward(self, inputs: StepInputs, previous: StepOutput | None,
+                       logits_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rank 0: queue a step's forward -> its logits [num_logits, V] in logits_dtype (logits_dtype()),
+        not waited for."""
+        return self.run_step(inputs, previous.tokens if previous is not None else None, logits_dtype)
 
     @torch.inference_mode()
     def launch_sampling(self, logits: torch.Tensor, samplers: list[Sequence], scored: list,

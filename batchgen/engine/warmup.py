@@ -82,17 +82,28 @@ def reset_synthetic_rows(kv: KVCache) -> None:
     kv.req_to_token[kv.pad_row, 0] = kv.pad_slot
 
 
+def warm_plain_sampling(logits: torch.Tensor) -> None:
+    """The sampler's paths for a step that only samples its logits (runner.ModelRunner.logits_dtype):
+    Gumbel-max, its tokens into a kept buffer as with CUDA graphs, and greedy."""
+    num_rows, dev = logits.shape[0], dict(device=logits.device)
+    sample(logits, SamplingBatch(
+        temperatures=torch.full((num_rows,), 0.7, **dev), top_ks=None, top_ps=None,
+        seeds=torch.arange(num_rows, **dev), steps=torch.zeros(num_rows, dtype=torch.int64, **dev),
+        all_greedy=False, use_top_k_top_p=False,
+    ), keep=torch.empty(num_rows, dtype=torch.int64, **dev))
+    sample(logits, SamplingBatch(None, None, None, None, None, True, False))
+
+
 def warm_sampling(logits: torch.Tensor) -> None:
     """The sampler on every path a step can take (greedy, Gumbel-max, top-k/top-p) over logits
     [S, V]: compiles its kernels, and shows its peak memory to a profile."""
     num_rows, dev = logits.shape[0], dict(device=logits.device)
-    for top in (False, True):  # (the tokens also into a kept buffer, as with CUDA graphs, and not)
-        sample(logits, SamplingBatch(
-            temperatures=torch.full((num_rows,), 0.7, **dev), top_ks=torch.full((num_rows,), 50, **dev),
-            top_ps=torch.full((num_rows,), 0.9, **dev), seeds=torch.arange(num_rows, **dev),
-            steps=torch.zeros(num_rows, dtype=torch.int64, **dev), all_greedy=False, use_top_k_top_p=top,
-        ), keep=None if top else torch.empty(num_rows, dtype=torch.int64, **dev))
-    sample(logits, SamplingBatch(None, None, None, None, None, True, False))
+    warm_plain_sampling(logits)
+    sample(logits, SamplingBatch(  # (the tokens not into a kept buffer)
+        temperatures=torch.full((num_rows,), 0.7, **dev), top_ks=torch.full((num_rows,), 50, **dev),
+        top_ps=torch.full((num_rows,), 0.9, **dev), seeds=torch.arange(num_rows, **dev),
+        steps=torch.zeros(num_rows, dtype=torch.int64, **dev), all_greedy=False, use_top_k_top_p=True,
+    ))
     gumbel_max(logits, torch.full((num_rows,), 0.7, **dev), torch.arange(num_rows, **dev),
                torch.zeros(num_rows, dtype=torch.int64, **dev), 0)  # (a shard's: engine/shard_sampling.py)
     # constrained rows' mask (every token allowed: the logits stay as they are)
@@ -117,16 +128,23 @@ def warm_up(runner) -> None:
     dense = triton.cdiv(DENSE_PROGRAMS_PER_SM * num_sms(dev), kv.k.shape[2])
     if dense <= runner.config.max_num_seqs:
         steps.append(([5] * dense, []))
+    # a step that only samples its logits has them in the model's dtype (runner.ModelRunner.logits_dtype)
+    narrow = runner.logits_dtype([], []) != torch.float32
     with torch.inference_mode():
         for decode_lens, chunks in steps:
             fb = synthetic_batch(kv, dev, decode_lens, chunks)
             fb.record_slots()
-            warm_sampling(runner.forward(fb))
+            logits = runner.forward(fb)
+            warm_sampling(logits)
+            if narrow:
+                warm_plain_sampling(logits.to(runner.dtype))
         # the LM head at every number of sampled rows: cuBLAS picks a kernel by shape, and a kernel's
         # first launch loads its module (CUDA lazy loading), which a first job would otherwise pay
         hidden = torch.zeros((runner.config.max_num_seqs, runner.model_cfg.hidden_size), dtype=runner.dtype, device=dev)
         for rows in range(1, hidden.shape[0] + 1):
             runner.model.compute_logits(hidden[:rows])
+            if narrow:
+                runner.model.compute_logits(hidden[:rows], fp32=False)
             if runner.tp.size > 1:  # and its shard alone (engine/shard_sampling.py)
                 runner.model.lm_head.shard_logits(hidden[:rows])
         reset_synthetic_rows(kv)

@@ -75,7 +75,7 @@ def _gumbel_noise(bits):
 @triton.jit(do_not_specialize=["num_rows", "part_size", "num_parts", "token_offset", "step_offset"],
             do_not_specialize_on_alignment=["temperatures_ptr", "seeds_ptr", "steps_ptr"])
 def _gumbel_argmax_parts_kernel(
-    logits_ptr,  # [S, V] fp32
+    logits_ptr,  # [S, V] fp32, or 16-bit (a step that only samples its logits: engine/runner.py)
     logits_stride,  # elements between two rows of logits
     temperatures_ptr,  # [S] fp32, 0 = greedy
     seeds_ptr,  # [S] int64
@@ -115,7 +115,7 @@ def _gumbel_argmax_parts_kernel(
         idx = start + tl.arange(0, BLOCK)
         mask = idx < vocab
         x = tl.load(logits_ptr + rows[:, None] * logits_stride + idx[None, :], mask=row_ok[:, None] & mask[None, :],
-                    other=float("-inf"))
+                    other=float("-inf")).to(tl.float32)
         token_hash = _hash32(idx.to(tl.uint32) + salted_offset)[None, :]  # [1, BLOCK]: one for all ROWS rows
         bits = _hash32(key ^ token_hash) >> 9  # 23 bits: u < 1
         score = tl.where(noisy, x * inv_t + _gumbel_noise(bits), x)
@@ -190,7 +190,7 @@ def gumbel_max_triton(
 
 
 def _launch(logits, temperatures, seeds, steps, parts, token_offset, want_best, step_offset=0, keep=None):
-    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     best = torch.empty(rows if want_best else 0, dtype=torch.float32, device=logits.device)
@@ -319,8 +319,8 @@ def gumbel_argmax(
     logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
     step_offset: int = 0, keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits [S, V] fp32 (-inf where masked); temperatures [S] fp32; seeds, steps [S] int64 ->
-    token ids [S] int64, drawn at steps + step_offset; also into keep[:S] when given."""
+    """logits [S, V] fp32, or 16-bit on a GPU (-inf where masked); temperatures [S] fp32; seeds, steps
+    [S] int64 -> token ids [S] int64, drawn at steps + step_offset; also into keep[:S] when given."""
     if logits.is_cuda:
         return gumbel_argmax_triton(logits, temperatures, seeds, steps, step_offset=step_offset, keep=keep)
     tokens = gumbel_argmax_cpu(logits, temperatures, seeds, steps + step_offset if step_offset else steps)

@@ -38,21 +38,26 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
     fp32_product: bool | None = None  # whether torch.mm writes fp32 from bf16 here (CUDA, torch >= 2.8)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, H] (only the tokens that sample) -> logits [S, vocab] in fp32."""
+    def forward(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """hidden [S, H] (only the tokens that sample) -> logits [S, vocab] in fp32 (fp32=False: in
+        hidden's dtype where shard_logits can)."""
         if self.tp.size == 1:
-            return self.shard_logits(hidden)
+            return self.shard_logits(hidden, fp32)
         logits = self.tp.all_gather_last_dim(self.matmul(hidden))
         return logits[:, : self.vocab_size].float()
 
-    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def shard_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """hidden [S, H] -> this rank's logits [S, V'] in fp32: token ids start + [0, V'), the real
-        vocabulary's part of its rows (all of it at TP=1; engine/shard_sampling.py)."""
+        vocabulary's part of its rows (all of it at TP=1; engine/shard_sampling.py). fp32=False on a
+        GPU: in hidden's 16-bit dtype, as HF transformers' and vLLM's LM heads write them (a step that
+        only samples them: runner.ModelRunner.logits_dtype); half the bytes to write and read back."""
         real = max(0, min(self.rows_per_rank, self.vocab_size - self.start))
         logits = None
         if hidden.is_cuda and hidden.dtype != torch.float32:
             if streams_weight(hidden):  # one row: 117 vs 125 us for llama-3.2-1b's head on an H200
-                return skinny_gemm(hidden, self.weight, out_dtype=torch.float32)[:, :real]
+                return skinny_gemm(hidden, self.weight, out_dtype=torch.float32 if fp32 else hidden.dtype)[:, :real]
+            if not fp32:
+                return self.matmul(hidden)[:, :real]
             logits = self._fp32_product(hidden)
         if logits is None:
             logits = self.matmul(hidden).float()

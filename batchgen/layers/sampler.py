@@ -133,8 +133,8 @@ class SamplingBatch:
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [S, V] fp32 -> token ids [S] int64; also written into keep[:S] when given (the Gumbel-max
-    kernel writes both: no copy on the step's stream)."""
+    """logits [S, V] fp32 (16-bit: argmax and Gumbel-max only) -> token ids [S] int64; also written into
+    keep[:S] when given (the Gumbel-max kernel writes both: no copy on the step's stream)."""
     if sb.banned_rows is not None:
         logits = logits.index_put((sb.banned_rows, sb.banned_ids), torch.tensor(float("-inf"), device=logits.device))
     if sb.all_greedy:

@@ -120,8 +120,8 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden[idx], residual[idx])
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        return self.lm_head(hidden, fp32)
 
     def use_one_row_mlps(self, device: torch.device, tp_size: int) -> None:
         """A GPU's decodes of one sequence run each MLP in one launch where that pays

@@ -258,3 +258,33 @@ def test_log_normaliser_without_subnormals_matches_torch():
     want = torch.logsumexp(x, dim=-1)
     assert top[4] + log_sum[4] == want[4] == float("-inf")
     torch.testing.assert_close(top[:4] + log_sum[:4], want[:4], rtol=1e-6, atol=0)
+
+
+PLAIN_ROWS = [({}, True), ({"temperature": 0.0}, True), ({"logprobs": True}, False), ({"top_logprobs": 2}, False),
+              ({"prompt_logprobs": True}, False), ({"top_k": 5}, False), ({"top_p": 0.9}, False),
+              ({"min_tokens": 2}, False), ({"response_format": {"type": "json_object"}}, False)]
+
+
+@pytest.mark.parametrize("fields,plain", PLAIN_ROWS)
+def test_which_steps_sample_from_16_bit_logits(llm, fields, plain):
+    """A GPU step whose samplers only sample their logits (argmax or Gumbel-max) has them in the model's
+    16-bit dtype, as HF transformers' and vLLM's LM heads make them; log-probabilities, top-k/top-p,
+    min_tokens' banned tokens, a grammar's mask or prompt logprobs (scored tokens) keep fp32. Never on a
+    CPU, a fp32 model or across tensor-parallel ranks."""
+    from types import SimpleNamespace
+
+    from batchgen.engine.runner import ModelRunner
+    from batchgen.forward.parallel import SINGLE
+
+    engine = llm.engine
+    defaults = SamplingParams(temperature=0.7, max_tokens=4)
+    seq = engine.make_sequence({"id": 0, "prompt_token_ids": [1, 2, 3], **fields}, defaults)
+    other = engine.make_sequence({"id": 1, "prompt_token_ids": [4, 5]}, defaults)
+    assert seq.plain_sampling is plain and other.plain_sampling
+    gpu = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda"), tp=SINGLE)
+    assert ModelRunner.logits_dtype(gpu, [other, seq], []) == (torch.bfloat16 if plain else torch.float32)
+    assert ModelRunner.logits_dtype(gpu, [other], [(seq, 1, [2])]) == torch.float32  # a prompt scored
+    for runner in (SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cpu"), tp=SINGLE),
+                   SimpleNamespace(dtype=torch.float32, device=torch.device("cuda"), tp=SINGLE),
+                   SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda"), tp=SimpleNamespace(size=2))):
+        assert ModelRunner.logits_dtype(runner, [other], []) == torch.float32

@@ -87,6 +87,19 @@ def test_a_step_offset_and_a_kept_copy(device, cuda_path):
     assert not torch.equal(got, fn(logits, temperatures, seeds, steps))  # (the offset moved the noise)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,vocab", [(7, 3001), pytest.param(256, 128256, marks=pytest.mark.gpu)])
+def test_16_bit_logits_draw_as_their_values_in_fp32(device, dtype, rows, vocab):
+    """A step that only samples its logits has them in the model's dtype (engine/runner.py): the kernel
+    reads them as those same values in fp32, greedy rows, a step offset and a kept copy included."""
+    logits, temperatures, seeds, steps = inputs(rows, vocab, device, seed=6)
+    narrow = logits.to(dtype)
+    keep = torch.full((rows,), -1, dtype=torch.int64, device=device)
+    got = gumbel_argmax_triton(narrow, temperatures, seeds, steps, step_offset=3, keep=keep)
+    assert torch.equal(got, gumbel_argmax_triton(narrow.float(), temperatures, seeds, steps + 3))
+    assert torch.equal(keep, got)
+
+
 # Seed 3353 at step 0 hashes token 2460 to the top 24-bit value: where u was built from 24 bits, u
 # rounded to 1.0 there and its noise was +inf.
 TOP_NOISE_SEED, TOP_NOISE_TOKEN = 3353, 2460
