@@ -78,6 +78,7 @@ class LLM:
         ahead = OrderedWorker(engine.request_preparer(defaults), "batchgen-tokenize", self.tokenizer_pool)
         behind = OrderedWorker(engine.decode_texts, "batchgen-detokenize", self.tokenizer_pool)
         exhausted, index = False, 0
+        joining = False  # the step after the device started on one batch of rows: every row read joins
         first_admit = last_result = None
         prompt_tokens = output_tokens = 0
         self.stats = {}
@@ -110,10 +111,16 @@ class LLM:
                         ahead.submit(rows)
                         rows = []
                 ahead.submit(rows)
-                # With nothing to run, wait for every row read so far: the packer orders them all, as
-                # when they were tokenized here. Else take the ones ready; the rest join a later step.
+                # With nothing to run, the device starts on the oldest batch of rows; at the next step every
+                # other row read by then joins (waited for while the device runs), so that the packer orders
+                # them together, as when they were tokenized here. Else take the ones ready; the rest join
+                # a later step.
+                if not engine.has_work():
+                    taken, joining = ahead.take(oldest=True), True
+                else:
+                    taken, joining = ahead.take(wait_all=joining), False
                 fresh = []
-                for row, prepared in ahead.take(wait_all=not engine.has_work()):
+                for row, prepared in taken:
                     if isinstance(prepared, RequestError):  # a bad row
                         yield error_row(row, str(prepared))
                         continue

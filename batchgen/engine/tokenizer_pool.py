@@ -39,14 +39,17 @@ class OrderedWorker:
         self._batches.append((batch, future))
         self.pending += len(batch)
 
-    def take(self, wait_all: bool = False) -> list[tuple]:
+    def take(self, wait_all: bool = False, oldest: bool = False) -> list[tuple]:
         """(item, result) of every batch done so far, oldest first, up to the first one still running;
-        wait_all: wait for every batch submitted. A batch whose fn raised raises here."""
+        wait_all: wait for every batch submitted; oldest: wait for the oldest batch and take it alone.
+        A batch whose fn raised raises here."""
         out = []
-        while self._batches and (wait_all or self._batches[0][1].done()):
+        while self._batches and (wait_all or oldest or self._batches[0][1].done()):
             batch, future = self._batches.popleft()
             self.pending -= len(batch)
             out.extend(zip(batch, future.result()))
+            if oldest:
+                break
         return out
 
     def close(self) -> None:

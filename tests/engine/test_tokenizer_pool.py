@@ -116,6 +116,38 @@ def test_the_pool_gives_what_tokenizing_in_the_loop_gives(tiny_model, monkeypatc
             assert r["text"] == tok.decode(r["output_token_ids"], skip_special_tokens=True)
 
 
+def test_the_device_starts_on_the_first_batch_of_rows(tiny_model, monkeypatch):
+    """With nothing running, the first step starts once the oldest batch of rows is prepared, not all
+    of them; the step after it takes every other row read (waited for), and every row gets its result."""
+    monkeypatch.setattr(batchgen.llm, "PREPARE_BATCH", 4)
+    llm = LLM(str(tiny_model("llama")), max_num_seqs=16, kv_cache_tokens=400, max_model_len=128)
+    engine, events = llm.engine, []
+    preparer, step = engine.request_preparer, engine.step
+
+    def slow_preparer(defaults):
+        prepare = preparer(defaults)
+
+        def call(rows):
+            if rows[0]["id"] >= 4:  # every batch after the first
+                time.sleep(0.2)
+            out = prepare(rows)
+            events.append(("prepared", rows[0]["id"]))
+            return out
+        return call
+
+    def logged_step():
+        events.append(("step", len(engine.scheduler.running) + len(engine.scheduler.waiting)))
+        return step()
+
+    monkeypatch.setattr(engine, "request_preparer", slow_preparer)
+    monkeypatch.setattr(engine, "step", logged_step)
+    rows = [{"id": i, "prompt_token_ids": [1 + i, 2, 3]} for i in range(12)]
+    results = llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=3))
+    assert events[:3] == [("prepared", 0), ("step", 4), ("prepared", 4)]
+    assert ("step", 12) in events  # the other two batches joined together at the next step
+    assert [r["id"] for r in results] == list(range(12)) and all(r["completion_tokens"] == 3 for r in results)
+
+
 def test_texts_of_chat_rows_and_stop_token_finishes(tiny_model):
     """messages through a chat template; a stop token ends a row (its text leaves the token out)."""
     llm = LLM(str(tiny_model("llama")), max_num_seqs=4, kv_cache_tokens=2000, device="cpu", dtype="float32")
