@@ -69,6 +69,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p masks the distribution before sampling."""
+        return self.top_k > 0 or self.top_p < 1.0
+
     def replace(self, **changes) -> "SamplingParams":
         if not changes.keys() <= _CARRY_CONSTRAINT:  # a constraint (or an unknown name, TypeError)
             return dataclasses.replace(self, **changes)

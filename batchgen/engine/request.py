@@ -221,9 +221,8 @@ def build_sequence(prepared: PreparedRequest, eos_ids: list[int]) -> Sequence:
     if prepared.top_logprobs is not None:
         seq.num_top_logprobs, seq.top_logprobs = prepared.top_logprobs, []
     seq.structured = prepared.structured
-    params = seq.params
     seq.plain_sampling = (not prepared.outputs and prepared.top_logprobs is None and seq.structured is None
-                          and params.top_k == -1 and params.top_p == 1.0 and params.min_tokens == 0)
+                          and not seq.params.truncates and seq.params.min_tokens == 0)
     return seq
 
 

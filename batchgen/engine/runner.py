@@ -341,7 +341,7 @@ class ModelRunner:
         temperatures, top_ps = self._stage([[p.temperature for p in params], [p.top_p for p in params]], torch.float32)
         batch = SamplingBatch(
             temperatures=temperatures, top_ks=top_ks, top_ps=top_ps, seeds=seeds, steps=steps, all_greedy=False,
-            use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            use_top_k_top_p=any(p.truncates for p in params),
             banned_rows=banned[0], banned_ids=banned[1],
         )
         self._kept_sampling = None if banned_rows else KeptSampling(list(seqs), generated, batch)

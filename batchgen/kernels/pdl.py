@@ -54,16 +54,13 @@ def pdl_launch_args(device: torch.device) -> dict:
 @triton.jit
 def wait_for_prior_kernels(PDL: tl.constexpr):
     """Wait for the kernel before this one, then let the next one start (see the module's rules)."""
-    if PDL:
-        cuda_extra.gdc_wait()
-        cuda_extra.gdc_launch_dependents()
+    wait_only_for_prior_kernels(PDL)
+    let_next_kernel_start(PDL)
 
 
 @triton.jit
 def wait_only_for_prior_kernels(PDL: tl.constexpr):
-    """The wait alone, for a kernel of several waves of programs: it lets the next kernel start later
-    (let_next_kernel_start, as its programs finish), because the next kernel's programs, put on the SMs
-    early, would sit there waiting and hold the room of this kernel's later waves."""
+    """The wait alone: a kernel of several waves calls let_next_kernel_start later (the module's rules)."""
     if PDL:
         cuda_extra.gdc_wait()
 

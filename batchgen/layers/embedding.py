@@ -56,9 +56,7 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
         if hidden.is_cuda and hidden.dtype != torch.float32:
             if streams_weight(hidden):  # one row: 117 vs 125 us for llama-3.2-1b's head on an H200
                 return skinny_gemm(hidden, self.weight, out_dtype=torch.float32 if fp32 else hidden.dtype)[:, :real]
-            if not fp32:
-                return self.matmul(hidden)[:, :real]
-            logits = self._fp32_product(hidden)
+            logits = self._fp32_product(hidden) if fp32 else self.matmul(hidden)
         if logits is None:
             logits = self.matmul(hidden).float()
         return logits[:, :real]
