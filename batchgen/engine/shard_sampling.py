@@ -7,10 +7,11 @@ that is ~115 us of all-gather, ~70 us of concatenation and conversion, and ~90 u
 rank 0 while the other ranks wait, each step (benchmarks/KERNELS.md).
 
 Where a step only needs the Gumbel-max token (no logprobs, top-k/top-p, masks or banned ids), each
-rank instead takes the best score of its own shard (kernels/gumbel_argmax.gumbel_max: the noise of a
-token is a function of its id, so every rank scores its tokens as the whole-vocabulary kernel would),
-the ranks all-gather those [2, S] pairs, and every rank picks each row's best (ties: the lowest rank,
-whose ids are the lowest, as argmax takes the first). Every rank then has the tokens. The rows'
+rank instead takes the best group score of its own shard and the token drawn in that group
+(kernels/gumbel_argmax.gumbel_max: a shard is whole groups, layers/embedding.py, and the noise of a
+group or token is a function of its id, so every rank scores its groups as the whole-vocabulary
+kernel would), the ranks all-gather those [2, S] pairs, and every rank picks each row's best (ties:
+the lowest rank, whose ids are the lowest, as argmax takes the first). Every rank then has the tokens. The rows'
 sampling parameters come from rank 0 in one small broadcast.
 
 Rank 0 decides per step (samples_from_shards) and the decision travels in the step's inputs, so

@@ -84,13 +84,15 @@ def reset_synthetic_rows(kv: KVCache) -> None:
 
 def warm_plain_sampling(logits: torch.Tensor) -> None:
     """The sampler's paths for a step that only samples its logits (runner.ModelRunner.logits_dtype):
-    Gumbel-max, its tokens into a kept buffer as with CUDA graphs, and greedy."""
+    Gumbel-max, its tokens into a kept buffer as with CUDA graphs or not, and greedy."""
     num_rows, dev = logits.shape[0], dict(device=logits.device)
-    sample(logits, SamplingBatch(
+    gumbel = SamplingBatch(
         temperatures=torch.full((num_rows,), 0.7, **dev), top_ks=None, top_ps=None,
         seeds=torch.arange(num_rows, **dev), steps=torch.zeros(num_rows, dtype=torch.int64, **dev),
         all_greedy=False, use_top_k_top_p=False,
-    ), keep=torch.empty(num_rows, dtype=torch.int64, **dev))
+    )
+    sample(logits, gumbel, keep=torch.empty(num_rows, dtype=torch.int64, **dev))  # (a step graph's)
+    sample(logits, gumbel)  # (an eager step's: the kernel that draws the token reads the logits too)
     sample(logits, SamplingBatch(None, None, None, None, None, True, False))
 
 

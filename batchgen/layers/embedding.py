@@ -1,6 +1,7 @@
-"""Vocabulary-parallel embedding and LM head: rank r holds rows [r * V/tp, (r+1) * V/tp) of the
-(padded) vocabulary. The embedding zeroes ids of other ranks and all-reduces; the head computes its
-slice of the logits and gathers them."""
+"""Vocabulary-parallel embedding and LM head: rank r holds rows [r * R, (r+1) * R) of the (padded)
+vocabulary, R = V/tp rounded up to whole groups of the sampler (kernels/gumbel_argmax.GROUP: each rank
+samples from its own shard, engine/shard_sampling.py). The embedding zeroes ids of other ranks and
+all-reduces; the head computes its slice of the logits and gathers them."""
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.forward.parallel import SINGLE, TensorParallel
+from batchgen.kernels.gumbel_argmax import GROUP
 from batchgen.kernels.skinny_gemm import skinny_gemm
 from batchgen.layers.packed_linear import PackableWeight, streams_weight
+
+
+def vocab_rows_per_rank(vocab_size: int, tp_size: int) -> int:
+    """Rows of the vocabulary a rank holds: all of them at TP=1; else V/tp rounded up to whole groups."""
+    return vocab_size if tp_size == 1 else -(-vocab_size // (tp_size * GROUP)) * GROUP
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -17,7 +24,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
-        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.rows_per_rank = vocab_rows_per_rank(vocab_size, tp.size)
         self.start = tp.rank * self.rows_per_rank
         self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden), requires_grad=False)
         self.weight.weight_loader = self.weight_loader

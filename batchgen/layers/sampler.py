@@ -1,10 +1,11 @@
 """Sampling for the whole batch at once, on the device.
 
-Greedy rows take argmax. Other rows use the Gumbel-max trick with counter-based noise
-(kernels/gumbel_argmax.py): a request's samples depend only on its own seed and step, never on
-what else is in the batch. Top-k and top-p mask the logits (to -inf) first, judged on the
-temperature-scaled distribution (equal logits in token order). On a CPU both look only at the
-tokens that can be chosen (mask_top_k_top_p_cpu, kernels/gumbel_argmax.gumbel_argmax_cpu).
+Greedy rows take argmax. Other rows use the Gumbel-max trick in two levels (a group of 8 token ids
+by its mass, then a token in it) with counter-based noise (kernels/gumbel_argmax.py): a request's
+samples depend only on its own seed and step, never on what else is in the batch. Top-k and top-p
+mask the logits (to -inf) first, judged on the temperature-scaled distribution (equal logits in
+token order). On a CPU both look only at the tokens or groups that can be chosen
+(mask_top_k_top_p_cpu, kernels/gumbel_argmax.gumbel_argmax_cpu).
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ from batchgen import LLM, SamplingParams
 from batchgen.engine import runner as runner_module
 from batchgen.engine import shard_sampling
 from batchgen.engine.shard_sampling import tokens_from_shards
-from batchgen.kernels.gumbel_argmax import gumbel_argmax
+from batchgen.kernels.gumbel_argmax import GROUP, gumbel_argmax, gumbel_max
+from batchgen.layers.embedding import vocab_rows_per_rank
 from tests.tiny_models import VOCAB
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,9 +31,9 @@ class RanksOf:
 
 
 def combined_tokens(logits, temperatures, seeds, steps, size):
-    """The vocabulary cut as layers/embedding.py cuts it (ceil(V / size) rows a rank, padding past V)."""
+    """The vocabulary cut as layers/embedding.py cuts it (whole sampling groups a rank, padding past V)."""
     vocab = logits.shape[-1]
-    per_rank = -(-vocab // size)
+    per_rank = vocab_rows_per_rank(vocab, size)
     parameters = torch.stack([seeds, steps, temperatures.view(torch.int32).to(torch.int64)])
     ranks = RanksOf(size)
     for rank in range(size):
@@ -58,6 +59,19 @@ def test_shards_give_the_whole_vocabularys_tokens(size, vocab):
     want = gumbel_argmax(*args)
     assert torch.equal(combined_tokens(*args, size), want)
     assert want[0].item() == 0 and want[3].item() == vocab // 2
+
+
+def test_shards_are_whole_groups():
+    """A rank's first token id is a group's (a group split between ranks would be scored twice, with
+    the same noise); at TP=1 the vocabulary is as it is."""
+    for vocab in (5, 301, 4099, 128256, 151936, 50257):
+        assert vocab_rows_per_rank(vocab, 1) == vocab
+        for size in (2, 3, 4, 8):
+            rows = vocab_rows_per_rank(vocab, size)
+            assert rows % GROUP == 0 and rows * size >= vocab > (rows - GROUP) * size  # (the fewest such rows)
+    with pytest.raises(AssertionError, match="group"):
+        gumbel_max(torch.zeros(2, 10, device=DEVICE), torch.ones(2, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE),
+                   torch.zeros(2, dtype=torch.int64, device=DEVICE), 3)
 
 
 def run(model_dir, rows, sampling, from_shards, monkeypatch):

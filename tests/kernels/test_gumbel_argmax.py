@@ -4,8 +4,8 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.gumbel_argmax import (
-    _gumbel, _gumbel_noise, gumbel_argmax, gumbel_argmax_cpu, gumbel_argmax_ref, gumbel_argmax_triton, gumbel_max_cpu,
-    gumbel_max_ref, gumbel_max_triton, temperature_scaled, uniform_noise,
+    GROUP, _gumbel, _gumbel_noise, gumbel_argmax, gumbel_argmax_cpu, gumbel_argmax_ref, gumbel_argmax_triton,
+    gumbel_max_cpu, gumbel_max_ref, gumbel_max_triton,
 )
 
 # (rows, vocab): one row, a vocabulary not a multiple of the block, several blocks; real vocabularies
@@ -140,20 +140,19 @@ def test_cpu_path_gives_the_reference_tokens(scale):
 
 
 @pytest.mark.parametrize("offset", [0, 1000, 64128])
-def test_a_shard_scores_its_tokens_as_the_whole_vocabulary_does(device, offset):
-    """gumbel_max_* on columns [offset, offset + 900) of a vocabulary: the best score and token of
-    those columns, each token scored by its id (the noise of the whole-vocabulary kernel)."""
+def test_a_shard_scores_its_groups_as_the_whole_vocabulary_does(device, offset):
+    """gumbel_max_* on columns [offset, offset + 900) of a vocabulary and on the columns before: the
+    better of the two shards' best scores (ties to the first) is the whole vocabulary's token, each
+    group and token scored by its id."""
     logits, temperatures, seeds, steps = inputs(7, offset + 900, device, seed=4)
-    shard = logits[:, offset:].contiguous()
+    head, shard = logits[:, :offset].contiguous(), logits[:, offset:].contiguous()
     ref_best, ref_ids = gumbel_max_ref(shard, temperatures, seeds, steps, offset)
     assert ((ref_ids >= offset) & (ref_ids < offset + 900)).all()
-    # the reference's scores of the whole vocabulary, restricted to the shard
-    noisy = (temperatures > 0)[:, None]
-    whole = torch.where(noisy, temperature_scaled(logits, temperatures)
-                        + _gumbel(uniform_noise(seeds, steps, logits.shape[-1])), logits)[:, offset:]
-    assert torch.equal(ref_ids, whole.argmax(-1) + offset) and torch.equal(ref_best, whole.amax(-1))
-    cpu_best, cpu_ids = gumbel_max_cpu(shard.cpu(), temperatures.cpu(), seeds.cpu(), steps.cpu(), offset)
-    assert torch.equal(cpu_ids, ref_ids.cpu()) and torch.equal(cpu_best, ref_best.cpu())
+    head_best, head_ids = gumbel_max_ref(head, temperatures, seeds, steps, 0)
+    combined = torch.where(ref_best > head_best, ref_ids, head_ids)
+    assert torch.equal(combined, gumbel_argmax_ref(logits, temperatures, seeds, steps))
+    on_cpu = [t.cpu() for t in (shard, temperatures, seeds, steps)]  # (torch's logsumexp rounds otherwise on a GPU)
+    assert all(torch.equal(a, b) for a, b in zip(gumbel_max_cpu(*on_cpu, offset), gumbel_max_ref(*on_cpu, offset)))
     best, ids = gumbel_max_triton(shard, temperatures, seeds, steps, offset)
     assert (ids == ref_ids).float().mean() >= 0.85  # (a tie in fp32 rounding may pick another)
     same = ids == ref_ids
@@ -162,6 +161,28 @@ def test_a_shard_scores_its_tokens_as_the_whole_vocabulary_does(device, offset):
     full = gumbel_argmax_triton(logits, temperatures, seeds, steps)
     here = (full >= offset)
     assert torch.equal(ids[here], full[here])
+
+
+# (the kernel's on a GPU only: 4,000 rows take minutes under the interpreter, and on a CPU the tests above
+# hold the kernel to the reference's tokens, which the CPU path draws)
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=pytest.mark.gpu), False])
+def test_samples_follow_the_softmax_across_groups(device, kernel):
+    """Two levels (a group by its mass, then a token in it) draw each token with its softmax
+    probability at the row's temperature: 4,000 rows of 5 groups, each row its own seed."""
+    if not kernel and device != "cpu":
+        pytest.skip("the CPU path on a CPU")
+    probs = torch.tensor([0.3, 0.05, 0.15, 0.02] + [0.0] * 9 + [0.1] + [0.38 / 26] * 26)  # 40 tokens
+    assert GROUP < 40 and probs.sum().item() == pytest.approx(1.0)
+    rows = 4000
+    temperature = 0.5
+    logits = (probs.log() * temperature)[None].repeat(rows, 1)  # softmax(logits / T) = probs
+    args = [logits.to(device), torch.full((rows,), temperature, device=device),
+            torch.arange(rows, device=device) * 7919, torch.full((rows,), 3, device=device)]
+    tokens = (gumbel_argmax_triton if kernel else gumbel_argmax)(*args).cpu()
+    freq = torch.bincount(tokens, minlength=40).float() / rows
+    assert freq[4:13].sum() == 0  # probability 0 (-inf): never
+    torch.testing.assert_close(freq[:4], probs[:4], atol=0.025, rtol=0)
+    assert freq[13].item() == pytest.approx(0.1, abs=0.02) and freq[14:].sum().item() == pytest.approx(0.38, abs=0.03)
 
 
 @triton.jit
