@@ -173,9 +173,11 @@ def test_the_default_model_gets_its_sampling_defaults_once(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_the_default_job_answers_factual_questions(batchgen, tmp_path):
     """The README's first command, on three of its prompts: the default model's own sampling defaults
-    give answers, where batchgen's built-in temperature 1.0 gave noise."""
+    give answers, where batchgen's built-in temperature 1.0 gave noise. Three that the 135M model answers
+    at its defaults whatever the seed (30 of 30 seeds each; "the capital of France" only 19 of 30: its
+    other answers begin "L'Étoile", so that row's text depends on the draw)."""
     examples = {json.loads(line)["id"]: json.loads(line) for line in (REPO / "examples" / "prompts.jsonl").open()}
-    expected = {"q000": "Paris", "q004": "Japan", "q006": "South America"}
+    expected = {"q003": "Everest", "q004": "Japan", "q006": "South America"}
     src = write_jsonl(tmp_path / "in.jsonl", [examples[i] for i in expected])
     done = batchgen("run", src, tmp_path / "out.parquet", "--log-every", "0")
     assert done.returncode == 0, done.stderr
