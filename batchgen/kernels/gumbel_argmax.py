@@ -310,7 +310,9 @@ def _grouped(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], groups, GROUP)
 
 
-def _group_scores(grouped: torch.Tensor, row_keys: torch.Tensor, groups: torch.Tensor, token_offset: int) -> torch.Tensor:
+def _group_scores(
+    grouped: torch.Tensor, row_keys: torch.Tensor, groups: torch.Tensor, token_offset: int
+) -> torch.Tensor:
     """ln Z_g + n_g of these groups (grouped [K, GROUP] scaled logits, groups [K] their indices in the
     shard, row_keys [K])."""
     ids = (1 << 31) + token_offset // GROUP + groups
@@ -386,7 +388,8 @@ def gumbel_max_cpu(
     keys = _row_keys(seeds, steps)
     rows, cols = ((tops >= (best_top - _GROUP_SPAN)[:, None]) & noisy[:, None]).nonzero(as_tuple=True)
     scores = _group_scores(grouped[rows, cols], keys[rows], cols, token_offset)
-    best = torch.where(noisy, torch.full_like(best_top, float("-inf")).scatter_reduce(0, rows, scores, "amax"), best_top)
+    best = torch.full_like(best_top, float("-inf")).scatter_reduce(0, rows, scores, "amax")
+    best = torch.where(noisy, best, best_top)
     at_best = scores == best[rows]  # the first group at the row's maximum, as argmax takes it
     first = torch.full_like(seeds, grouped.shape[1]).scatter_reduce(0, rows[at_best], cols[at_best], "amin")
     group = torch.where(noisy, first, tops.argmax(dim=-1))  # greedy rows: the group of the first largest logit

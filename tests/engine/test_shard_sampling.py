@@ -69,9 +69,9 @@ def test_shards_are_whole_groups():
         for size in (2, 3, 4, 8):
             rows = vocab_rows_per_rank(vocab, size)
             assert rows % GROUP == 0 and rows * size >= vocab > (rows - GROUP) * size  # (the fewest such rows)
+    zeros = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(AssertionError, match="group"):
-        gumbel_max(torch.zeros(2, 10, device=DEVICE), torch.ones(2, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE),
-                   torch.zeros(2, dtype=torch.int64, device=DEVICE), 3)
+        gumbel_max(torch.zeros(2, 10, device=DEVICE), torch.ones(2, device=DEVICE), zeros, zeros, 3)
 
 
 def run(model_dir, rows, sampling, from_shards, monkeypatch):
