@@ -32,8 +32,7 @@ def samples_from_shards(tp_size: int, samplers: list, scored: list) -> bool:
     if tp_size == 1 or not SAMPLE_FROM_SHARDS or scored or not samplers:
         return False
     return all(
-        s.structured is None and s.logprobs is None and s.num_top_logprobs == 0
-        and s.params.top_k <= 0 and s.params.top_p >= 1.0
+        s.structured is None and s.logprobs is None and s.num_top_logprobs == 0 and not s.params.truncates
         # min_tokens bans stop ids until then; a sequence only gains tokens before its sampling
         and not (s.num_generated < s.params.min_tokens and s.stop_ids)
         for s in samplers

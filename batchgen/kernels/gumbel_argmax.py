@@ -302,8 +302,10 @@ def _gumbel(u: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def _grouped(x: torch.Tensor) -> torch.Tensor:
-    """[S, V] -> [S, ceil(V / GROUP), GROUP], the tail padded with -inf."""
+def _scaled_groups(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] -> their scaled values in fp32 (as the kernel reads 16-bit logits), [S, ceil(V /
+    GROUP), GROUP], the tail padded with -inf."""
+    x = temperature_scaled(logits.float(), temperatures)
     groups = -(-x.shape[-1] // GROUP)
     if groups * GROUP != x.shape[-1]:
         x = torch.nn.functional.pad(x, (0, groups * GROUP - x.shape[-1]), value=float("-inf"))
@@ -345,7 +347,7 @@ def gumbel_max_ref(
         return (torch.full((rows,), float("-inf"), device=logits.device),
                 torch.full((rows,), token_offset, dtype=torch.int64, device=logits.device))
     noisy = temperatures > 0
-    grouped = _grouped(temperature_scaled(logits.float(), temperatures))  # (16-bit logits: as the kernel reads them)
+    grouped = _scaled_groups(logits, temperatures)
     keys = _row_keys(seeds, steps)
     groups = torch.arange(grouped.shape[1], device=logits.device)
     scores = torch.where(noisy[:, None], _group_scores(grouped, keys[:, None], groups[None, :], token_offset),
@@ -380,7 +382,7 @@ def gumbel_max_cpu(
     noisy = temperatures > 0
     if logits.shape[-1] == 0 or not noisy.any():
         return gumbel_max_ref(logits, temperatures, seeds, steps, token_offset)
-    grouped = _grouped(temperature_scaled(logits.float(), temperatures))  # (16-bit logits: as the kernel reads them)
+    grouped = _scaled_groups(logits, temperatures)
     tops = grouped.amax(dim=-1)  # [S, n]
     best_top = tops.amax(dim=-1)
     if not torch.isfinite(best_top[noisy]).all():  # NaN, inf or all masked: as the reference does
