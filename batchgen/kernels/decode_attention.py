@@ -196,9 +196,14 @@ def num_sms(device: torch.device) -> int:
 # head_dim > 128 take small tiles that fit anywhere. Head_dim 64 with at least DENSE_PROGRAMS_PER_SM
 # programs an SM (llama-3.2-1b from 132 sequences): smaller tiles, more of them resident, the sequences
 # longest first (kernels/longest_first.py): 6-12% less time than (128, 4, 2) at 160-256 sequences.
+# From DENSEST_PROGRAMS_PER_SM (llama-3.2-1b from 198 sequences) one warp a program: on the engine's own
+# W-offline steps, 3.7-4.9% less time than (64, 2, 3) at 256, 251 and 202 sequences, 5.7% more at 143
+# (KERNELS.md, session 29).
 TILE_HEAD_DIM_64 = (128, 4, 3)
 TILE_HEAD_DIM_64_DENSE = (64, 2, 3)
+TILE_HEAD_DIM_64_DENSEST = (64, 1, 3)
 DENSE_PROGRAMS_PER_SM = 8
+DENSEST_PROGRAMS_PER_SM = 12
 TILE_HEAD_DIM_128 = (64, 4, 3)
 TILE_SMALL = (32, 4, 1)
 
@@ -210,6 +215,8 @@ def pick_tile(dtype: torch.dtype, head_dim: int, programs: int, sms: int) -> tup
         return TILE_SMALL
     if head_dim > 64:
         return TILE_HEAD_DIM_128
+    if programs >= DENSEST_PROGRAMS_PER_SM * sms:
+        return TILE_HEAD_DIM_64_DENSEST
     return TILE_HEAD_DIM_64_DENSE if programs >= DENSE_PROGRAMS_PER_SM * sms else TILE_HEAD_DIM_64
 
 

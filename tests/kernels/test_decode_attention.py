@@ -5,6 +5,7 @@ from tests.kernels.attention_batch import make_batch
 from batchgen.kernels.decode_attention import (
     TILE_HEAD_DIM_64,
     TILE_HEAD_DIM_64_DENSE,
+    TILE_HEAD_DIM_64_DENSEST,
     TILE_HEAD_DIM_128,
     TILE_SMALL,
     _decode_attention_launch,
@@ -97,23 +98,27 @@ def test_decode_attention_in_cuda_graph(device, assert_close):
 
 def test_the_dense_tile_from_eight_programs_an_sm():
     """Head_dim 64: the 64-key tile once sequences x kv heads reach 8 an SM (llama-3.2-1b on 132 SMs:
-    from 132 sequences), the 128-key tile below; fp32 and other head sizes keep theirs."""
+    from 132 sequences), a warp a program from 12 an SM (198 sequences), the 128-key tile below 8; fp32
+    and other head sizes keep theirs."""
     bf16 = torch.bfloat16
     assert pick_tile(bf16, 64, 131 * 8, 132) == TILE_HEAD_DIM_64
     assert pick_tile(bf16, 64, 132 * 8, 132) == TILE_HEAD_DIM_64_DENSE
+    assert pick_tile(bf16, 64, 197 * 8, 132) == TILE_HEAD_DIM_64_DENSE
+    assert pick_tile(bf16, 64, 198 * 8, 132) == TILE_HEAD_DIM_64_DENSEST == (64, 1, 3)
     assert pick_tile(bf16, 128, 256 * 8, 132) == TILE_HEAD_DIM_128
     assert pick_tile(torch.float32, 64, 256 * 8, 132) == TILE_SMALL
 
 
 @pytest.mark.gpu
-def test_decode_attention_at_the_dense_tile(device, assert_close):
-    """Enough sequences for the 64-key tile (8 programs an SM), contexts of 1 to 2,000 keys in
+@pytest.mark.parametrize("per_sm,tile", [(8, TILE_HEAD_DIM_64_DENSE), (12, TILE_HEAD_DIM_64_DENSEST)])
+def test_decode_attention_at_the_dense_tiles(device, assert_close, per_sm, tile):
+    """Enough sequences for the 64-key tiles (8 and 12 programs an SM), contexts of 1 to 2,000 keys in
     random order, so the schedule reorders them."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    num_seqs = sms + 3  # x 8 kv heads: 8 programs an SM and more
+    num_seqs = per_sm * sms // 8 + 3  # x 8 kv heads: per_sm programs an SM and more
     gen = torch.Generator().manual_seed(1)
     lens = torch.randint(1, 2000, (num_seqs,), generator=gen).tolist()
     batch = make_batch([(1, n) for n in lens], 32, 8, 64, torch.bfloat16, device, seed=2, table_len=2048)
     args = _args(batch, 2048, 64**-0.5)
-    assert pick_tile(torch.bfloat16, 64, num_seqs * 8, sms) == TILE_HEAD_DIM_64_DENSE
+    assert pick_tile(torch.bfloat16, 64, num_seqs * 8, sms) == tile
     assert_close(decode_attention_triton(*args), decode_attention_ref(*args))
