@@ -96,7 +96,7 @@ def test_decode_attention_in_cuda_graph(device, assert_close):
         assert_close(out, decode_attention_ref(*args))
 
 
-def test_the_dense_tile_from_eight_programs_an_sm():
+def test_the_dense_tiles_from_eight_and_twelve_programs_an_sm():
     """Head_dim 64: the 64-key tile once sequences x kv heads reach 8 an SM (llama-3.2-1b on 132 SMs:
     from 132 sequences), a warp a program from 12 an SM (198 sequences), the 128-key tile below 8; fp32
     and other head sizes keep theirs."""
