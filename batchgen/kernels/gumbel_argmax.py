@@ -287,12 +287,6 @@ def _uniform_at(row_keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return (bits.float() + 0.5) * (1.0 / (1 << 23))
 
 
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """u in (0, 1), [S, V] fp32, of every token id: a pure function of (seed, step, token id)."""
-    token_ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    return _uniform_at(_row_keys(seeds, steps)[:, None], token_ids[None, :])
-
-
 def temperature_scaled(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """logits [S, V] / temperatures [S]; greedy rows (temperature 0) as they are."""
     return logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.kernels.gumbel_argmax import uniform_noise
+from batchgen.kernels.gumbel_argmax import _row_keys, _uniform_at
 from batchgen.layers.sampler import SamplingBatch, mask_top_k_top_p, sample
 
 
@@ -20,6 +20,11 @@ def sampling_batch(n, temperature=1.0, top_k=None, top_p=1.0, seeds=None, vocab=
         all_greedy=temperature == 0,
         use_top_k_top_p=top_k is not None or top_p < 1.0,
     )
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The sampler's u in (0, 1), [S, V] fp32, at every token id."""
+    return _uniform_at(_row_keys(seeds, steps)[:, None], torch.arange(vocab_size)[None, :])
 
 
 def test_noise_is_uniform_and_a_function_of_seed_and_step_only():
