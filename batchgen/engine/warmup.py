@@ -17,7 +17,7 @@ import triton
 
 from batchgen.engine.kv_cache import KVCache
 from batchgen.forward.batch import ForwardBatch
-from batchgen.kernels.decode_attention import DENSE_PROGRAMS_PER_SM, DENSEST_PROGRAMS_PER_SM, num_sms
+from batchgen.kernels.decode_attention import dense_tile_batch_sizes, num_sms
 from batchgen.kernels.gumbel_argmax import gumbel_max
 from batchgen.kernels.token_bitmask import apply_token_bitmask
 from batchgen.layers.sampler import SamplingBatch, sample
@@ -127,8 +127,7 @@ def warm_up(runner) -> None:
     steps = [([5], []), ([long], []), ([5, 9], []), ([long, 9], []), ([], [(17, 17)]), ([7, 3], [(15, 40)]),
              ([8] * 16, [(48, 48)])]
     # decode attention's tiles for many programs (kernels/decode_attention.pick_tile), where a job can have them
-    for per_sm in (DENSE_PROGRAMS_PER_SM, DENSEST_PROGRAMS_PER_SM):
-        dense = triton.cdiv(per_sm * num_sms(dev), kv.k.shape[2])
+    for dense in dense_tile_batch_sizes(kv.k.shape[2], num_sms(dev)):
         if dense <= runner.config.max_num_seqs:
             steps.append(([5] * dense, []))
     # a step that only samples its logits has them in the model's dtype (runner.ModelRunner.logits_dtype)

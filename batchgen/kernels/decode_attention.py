@@ -220,6 +220,12 @@ def pick_tile(dtype: torch.dtype, head_dim: int, programs: int, sms: int) -> tup
     return TILE_HEAD_DIM_64_DENSE if programs >= DENSE_PROGRAMS_PER_SM * sms else TILE_HEAD_DIM_64
 
 
+def dense_tile_batch_sizes(num_kv_heads: int, sms: int) -> list[int]:
+    """The fewest sequences at which pick_tile takes each of its tiles for many programs (head_dim 64,
+    16-bit): the dense, then the densest. Warm-up runs a decode step of each size a job can reach."""
+    return [triton.cdiv(per_sm * sms, num_kv_heads) for per_sm in (DENSE_PROGRAMS_PER_SM, DENSEST_PROGRAMS_PER_SM)]
+
+
 def pick_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, sms: int,
                     per_sm: int = 2) -> int:
     """Fewest splits that give about per_sm programs an SM, and no more than max_kv_len has blocks."""

@@ -12,6 +12,7 @@ from batchgen.kernels.decode_attention import (
     decode_attention_cpu,
     decode_attention_ref,
     decode_attention_triton,
+    dense_tile_batch_sizes,
     pick_tile,
 )
 
@@ -107,6 +108,19 @@ def test_the_dense_tiles_from_eight_and_twelve_programs_an_sm():
     assert pick_tile(bf16, 64, 198 * 8, 132) == TILE_HEAD_DIM_64_DENSEST == (64, 1, 3)
     assert pick_tile(bf16, 128, 256 * 8, 132) == TILE_HEAD_DIM_128
     assert pick_tile(torch.float32, 64, 256 * 8, 132) == TILE_SMALL
+
+
+@pytest.mark.parametrize("kv_heads,sms", [(8, 132), (2, 132), (8, 78), (3, 114)])
+def test_dense_tile_batch_sizes_are_where_pick_tile_changes(kv_heads, sms):
+    """Warm-up's decode steps (engine/warmup.py) are the fewest sequences at which each dense tile is
+    taken: one sequence fewer takes the tile before it (llama-3.2-1b on an H200: 132 and 198)."""
+    assert dense_tile_batch_sizes(8, 132) == [132, 198]
+    bf16 = torch.bfloat16
+    dense, densest = dense_tile_batch_sizes(kv_heads, sms)
+    for n, tile, before in [(dense, TILE_HEAD_DIM_64_DENSE, TILE_HEAD_DIM_64),
+                            (densest, TILE_HEAD_DIM_64_DENSEST, TILE_HEAD_DIM_64_DENSE)]:
+        assert pick_tile(bf16, 64, n * kv_heads, sms) == tile
+        assert pick_tile(bf16, 64, (n - 1) * kv_heads, sms) == before
 
 
 @pytest.mark.gpu
