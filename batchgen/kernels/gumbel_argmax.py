@@ -86,6 +86,12 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _noise_bits(key, salted_id):
+    """A row's key and a salted id (uint32) -> the 23 random bits of that id's noise (_uniform_at on the host)."""
+    return _hash32(key ^ _hash32(salted_id)) >> 9
+
+
+@triton.jit
 def _row_key(seed, step):
     """seed, step: int64 -> the row's 32-bit key (_row_keys on the host)."""
     seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
@@ -147,7 +153,7 @@ def _best_group_parts_kernel(
         mass = tl.sum(tl.exp2(y - top_finite[:, :, None]), axis=2)
         log2_mass = tl.where(mass > 0, top_finite + tl.log2(tl.where(mass > 0, mass, 1.0)), float("-inf"))
         group = block * GROUPS + tl.arange(0, GROUPS)
-        bits = _hash32(key ^ _hash32(group.to(tl.uint32) + salted_offset)[None, :]) >> 9  # 23 bits: u < 1
+        bits = _noise_bits(key, (group.to(tl.uint32) + salted_offset)[None, :])  # (a group's id hashed once for its rows)
         score = tl.where(noisy, log2_mass * _LN2 + _gumbel_noise(bits), top)
         better = score > best_val  # strict: a lane keeps its first maximum
         best_idx = tl.where(better, group[None, :], best_idx)
@@ -190,7 +196,7 @@ def _token_of_best_group_kernel(
     x = tl.load(logits_ptr + row * logits_stride + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
     temperature = tl.load(temperatures_ptr + row)
     key = _row_key(tl.load(seeds_ptr + row), tl.load(steps_ptr + row) + step_offset)
-    bits = _hash32(key ^ _hash32(idx.to(tl.uint32) + (token_offset.to(tl.uint32) + _SALT))) >> 9
+    bits = _noise_bits(key, idx.to(tl.uint32) + (token_offset.to(tl.uint32) + _SALT))
     score = tl.where(temperature > 0, x / tl.where(temperature > 0, temperature, 1.0) + _gumbel_noise(bits), x)
     score = tl.where(idx < vocab, score, float("-inf"))
     pick = tl.argmax(score, axis=0, tie_break_left=True)
