@@ -148,6 +148,39 @@ def test_the_device_starts_on_the_first_batch_of_rows(tiny_model, monkeypatch):
     assert [r["id"] for r in results] == list(range(12)) and all(r["completion_tokens"] == 3 for r in results)
 
 
+@pytest.mark.parametrize("pool", [True, False])
+def test_the_other_rows_are_prepared_once_the_first_step_is_launched(tiny_model, monkeypatch, pool):
+    """With nothing running, only the oldest batch is prepared before the first step: the rest are handed
+    to the worker (or prepared in the loop) after that step is launched, so that no Python beside it
+    holds the GIL while the loop schedules and launches it. The next step takes them all."""
+    monkeypatch.setattr(batchgen.llm, "PREPARE_BATCH", 4)
+    llm = LLM(str(tiny_model("llama")), tokenizer_pool=pool, max_num_seqs=16, kv_cache_tokens=400, max_model_len=128)
+    engine, events = llm.engine, []
+    preparer, step = engine.request_preparer, engine.step
+
+    def logged_preparer(defaults):
+        prepare = preparer(defaults)
+
+        def call(rows):
+            events.append(("prepare", rows[0]["id"]))
+            return prepare(rows)
+        return call
+
+    def slow_step():  # a step the device takes a while over: the worker would have run beside its launch
+        out = step()
+        if not any(e[0] == "launched" for e in events):
+            time.sleep(0.2)
+            events.append(("launched", len(engine.scheduler.running) + len(engine.scheduler.waiting)))
+        return out
+
+    monkeypatch.setattr(engine, "request_preparer", logged_preparer)
+    monkeypatch.setattr(engine, "step", slow_step)
+    rows = [{"id": i, "prompt_token_ids": [1 + i, 2, 3]} for i in range(12)]
+    results = llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=3))
+    assert events == [("prepare", 0), ("launched", 4), ("prepare", 4), ("prepare", 8)]
+    assert [r["id"] for r in results] == list(range(12)) and all(r["completion_tokens"] == 3 for r in results)
+
+
 def test_texts_of_chat_rows_and_stop_token_finishes(tiny_model):
     """messages through a chat template; a stop token ends a row (its text leaves the token out)."""
     llm = LLM(str(tiny_model("llama")), max_num_seqs=4, kv_cache_tokens=2000, device="cpu", dtype="float32")
