@@ -84,6 +84,18 @@ class LLM:
         self.stats = {}
         failed = False
 
+        # With nothing running, the device starts on the oldest batch of rows alone (below); the batches read
+        # after it go to the worker only once that step is launched: its Python would hold the GIL while
+        # this thread schedules the step (a W-offline start on an H200: the first forward 14-16 ms after the
+        # start with the rest prepared beside it, 6.5-10 without).
+        starting, deferred = False, []
+
+        def hand_over(batch: list) -> None:
+            if starting and ahead.pending:  # the oldest batch is with the worker already
+                deferred.append(batch)
+            else:
+                ahead.submit(batch)
+
         def results(done: list[tuple]) -> list[dict]:
             nonlocal last_result, prompt_tokens, output_tokens
             for seq, _ in done:
@@ -95,8 +107,9 @@ class LLM:
 
         try:
             while True:
-                batches, rows = [], []
-                while not exhausted and (len(engine.scheduler.waiting) + ahead.pending + PREPARE_BATCH * len(batches)
+                starting = not engine.has_work() and not ahead.pending
+                rows = []
+                while not exhausted and (len(engine.scheduler.waiting) + ahead.pending + PREPARE_BATCH * len(deferred)
                                          + len(rows) < lookahead):
                     row = next(source, _END)
                     if row is _END:
@@ -109,20 +122,14 @@ class LLM:
                     index += 1
                     rows.append(row)
                     if len(rows) == PREPARE_BATCH:
-                        batches.append(rows)
+                        hand_over(rows)
                         rows = []
                 if rows:
-                    batches.append(rows)
+                    hand_over(rows)
                 # With nothing to run, the device starts on the oldest batch of rows; at the next step every
                 # other row read by then joins (waited for while the device runs), so that the packer orders
                 # them together, as when they were tokenized here. Else take the ones ready; the rest join
-                # a later step. The other batches go to the worker only once that first step is launched: its
-                # Python would hold the GIL while this thread schedules the step (a W-offline start on an H200:
-                # the first forward 14-16 ms after the start with the rest prepared beside it, 6.5-10 without).
-                starting = not engine.has_work() and not ahead.pending
-                deferred = batches[1:] if starting else []
-                for batch in batches[:1] if starting else batches:
-                    ahead.submit(batch)
+                # a later step.
                 if not engine.has_work():
                     taken, joining = ahead.take(oldest=True), True
                 else:
@@ -144,8 +151,9 @@ class LLM:
                 if engine.has_work():
                     first_admit = first_admit or time.monotonic()
                     behind.submit(engine.step())
-                for batch in deferred:
+                for batch in deferred:  # (starting: its step is launched)
                     ahead.submit(batch)
+                deferred.clear()
                 yield from results(behind.take(wait_all=not engine.has_work()))
                 if exhausted and not engine.has_work() and not ahead.pending:
                     break
