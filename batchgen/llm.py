@@ -85,16 +85,13 @@ class LLM:
         failed = False
 
         # With nothing running, the device starts on the oldest batch of rows alone (below); the batches read
-        # after it go to the worker only once that step is launched: its Python would hold the GIL while
-        # this thread schedules the step (a W-offline start on an H200: the first forward 14-16 ms after the
-        # start with the rest prepared beside it, 6.5-10 without).
-        starting, deferred = False, []
+        # after it are held and start on the worker only once that step is launched: its Python would hold
+        # the GIL while this thread schedules the step (a W-offline start on an H200: the first forward
+        # 14-16 ms after the start with the rest prepared beside it, 6.5-10 without).
+        starting = False
 
         def hand_over(batch: list) -> None:
-            if starting and ahead.pending:  # the oldest batch is with the worker already
-                deferred.append(batch)
-            else:
-                ahead.submit(batch)
+            ahead.submit(batch, hold=starting and ahead.pending > 0)  # (the oldest batch is with the worker)
 
         def results(done: list[tuple]) -> list[dict]:
             nonlocal last_result, prompt_tokens, output_tokens
@@ -109,8 +106,7 @@ class LLM:
             while True:
                 starting = not engine.has_work() and not ahead.pending
                 rows = []
-                while not exhausted and (len(engine.scheduler.waiting) + ahead.pending + PREPARE_BATCH * len(deferred)
-                                         + len(rows) < lookahead):
+                while not exhausted and len(engine.scheduler.waiting) + ahead.pending + len(rows) < lookahead:
                     row = next(source, _END)
                     if row is _END:
                         exhausted = True
@@ -151,9 +147,7 @@ class LLM:
                 if engine.has_work():
                     first_admit = first_admit or time.monotonic()
                     behind.submit(engine.step())
-                for batch in deferred:  # (starting: its step is launched)
-                    ahead.submit(batch)
-                deferred.clear()
+                ahead.release()  # (starting: its step is launched)
                 yield from results(behind.take(wait_all=not engine.has_work()))
                 if exhausted and not engine.has_work() and not ahead.pending:
                     break

@@ -263,3 +263,27 @@ def test_ordered_worker_keeps_submission_order_and_raises_failures():
     inline = OrderedWorker(slow_square, "unused", threaded=False)
     inline.submit([3])
     assert inline.take() == [(3, 9)]
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_ordered_worker_holds_batches_until_released(threaded):
+    """A held batch counts as pending but does not run until release() (or a take that waits for it);
+    results keep the submission order."""
+    ran = []
+
+    def record(batch):
+        ran.append(batch[0])
+        return [-x for x in batch]
+
+    worker = OrderedWorker(record, "test-hold", threaded)
+    worker.submit([1, 2])
+    worker.submit([3], hold=True)
+    worker.submit([4], hold=True)
+    assert worker.pending == 4
+    assert worker.take(oldest=True) == [(1, -1), (2, -2)]
+    assert worker.take() == [] and ran == [1]  # held: neither ran nor taken
+    worker.release()
+    assert worker.take(wait_all=True) == [(3, -3), (4, -4)] and ran == [1, 3, 4] and worker.pending == 0
+    worker.submit([5], hold=True)
+    assert worker.take(wait_all=True) == [(5, -5)]  # waited for: started then
+    worker.close()
