@@ -2,21 +2,13 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable, Iterator
 
 from batchgen.config import EngineConfig
-from batchgen.engine.engine import LLMEngine, error_row, result_row
-from batchgen.engine.packer import pack
-from batchgen.engine.request import RequestError
+from batchgen.engine.engine import LLMEngine
 from batchgen.models.generation_config import read_sampling_defaults
 from batchgen.sampling_params import SamplingParams, resolve_defaults
-from batchgen.schema import SAMPLES_KEY
-from batchgen.engine.tokenizer_pool import OrderedWorker
 from batchgen.version import __version__
-
-_END = object()
-PREPARE_BATCH = 64  # rows per tokenizer call: enough for a batched encode, few enough to start at once
 
 
 class LLM:
@@ -35,7 +27,6 @@ class LLM:
         self.tokenizer_pool = tokenizer_pool
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
-        self.stats: dict = {}
         self._default_sampling: SamplingParams | None = None
 
     def close(self) -> None:
@@ -58,6 +49,11 @@ class LLM:
             self._default_sampling, _ = resolve_defaults({}, model_defaults)
         return self._default_sampling.replace()
 
+    @property
+    def stats(self) -> dict:
+        """The last generate()'s totals: generation_seconds, prompt_tokens, output_tokens."""
+        return self.engine.stats
+
     def generate(
         self,
         requests: Iterable[dict],
@@ -71,97 +67,7 @@ class LLM:
         row at once and affects no other. `sampling` holds the defaults a request's own fields
         override; None: get_default_sampling_params()."""
         defaults = sampling or self.get_default_sampling_params()
-        engine = self.engine
-        source = iter(requests)
-        lookahead = 4 * self.config.max_num_seqs  # waiting requests the scheduler can choose from
-        # Rows are checked and tokenized ahead of the loop, finished texts decoded behind it.
-        ahead = OrderedWorker(engine.request_preparer(defaults), "batchgen-tokenize", self.tokenizer_pool)
-        behind = OrderedWorker(engine.decode_texts, "batchgen-detokenize", self.tokenizer_pool)
-        exhausted, index = False, 0
-        joining = False  # the step after the device started on one batch of rows: every row read joins
-        first_admit = last_result = None
-        prompt_tokens = output_tokens = 0
-        self.stats = {}
-        failed = False
-
-        # With nothing running, the device starts on the oldest batch of rows alone (below); the batches read
-        # after it are held and start on the worker only once that step is launched: its Python would hold
-        # the GIL while this thread schedules the step (a W-offline start on an H200: the first forward
-        # 14-16 ms after the start with the rest prepared beside it, 6.5-10 without).
-        starting = False
-
-        def hand_over(batch: list) -> None:
-            ahead.submit(batch, hold=starting and ahead.pending > 0)  # (the oldest batch is with the worker)
-
-        def results(done: list[tuple]) -> list[dict]:
-            nonlocal last_result, prompt_tokens, output_tokens
-            for seq, _ in done:
-                prompt_tokens += seq.num_prompt
-                output_tokens += len(seq.output_ids)
-            if done:
-                last_result = time.monotonic()
-            return [result_row(seq) for seq, _ in done]
-
-        try:
-            while True:
-                starting = not engine.has_work() and not ahead.pending
-                rows = []
-                while not exhausted and len(engine.scheduler.waiting) + ahead.pending + len(rows) < lookahead:
-                    row = next(source, _END)
-                    if row is _END:
-                        exhausted = True
-                        break
-                    if row is None:  # a live source with nothing right now: run what we have
-                        break
-                    if isinstance(row, dict) and row.get("id") is None:
-                        row = {**row, "id": index}
-                    index += 1
-                    rows.append(row)
-                    if len(rows) == PREPARE_BATCH:
-                        hand_over(rows)
-                        rows = []
-                if rows:
-                    hand_over(rows)
-                # With nothing to run, the device starts on the oldest batch of rows; at the next step every
-                # other row read by then joins (waited for while the device runs), so that the packer orders
-                # them together, as when they were tokenized here. Else take the ones ready; the rest join
-                # a later step.
-                if not engine.has_work():
-                    taken, joining = ahead.take(oldest=True), True
-                else:
-                    taken, joining = ahead.take(wait_all=joining), False
-                fresh = []
-                for row, prepared in taken:
-                    if isinstance(prepared, RequestError):  # a bad row
-                        yield error_row(row, str(prepared))
-                        continue
-                    try:
-                        fresh.extend(engine.sequences(prepared, row.get(SAMPLES_KEY)))
-                    except RequestError as e:  # a constraint that cannot compile
-                        yield error_row(row, str(e))
-                for seq in pack(fresh):
-                    engine.add(seq)
-                if stop_event is not None and stop_event.is_set():
-                    yield from results(behind.take(wait_all=True))  # finished ones are not dropped
-                    break
-                if engine.has_work():
-                    first_admit = first_admit or time.monotonic()
-                    behind.submit(engine.step())
-                ahead.release()  # (starting: its step is launched)
-                yield from results(behind.take(wait_all=not engine.has_work()))
-                if exhausted and not engine.has_work() and not ahead.pending:
-                    break
-        except Exception:
-            failed = True
-            raise
-        finally:
-            ahead.close()
-            behind.close()
-            # a stop, an error, or a consumer that quit early: free every slot (and after an error the
-            # prefix cache too: it may hold prompts of a step that was never launched)
-            engine.abort_all(clear_cache=failed)
-            gen_s = (last_result - first_admit) if first_admit and last_result else 0.0
-            self.stats = {"generation_seconds": gen_s, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
+        yield from self.engine.generate(requests, defaults, stop_event, threaded=self.tokenizer_pool)
 
     def generate_list(self, requests: Iterable[dict], sampling: SamplingParams | None = None) -> list[dict]:
         """All results, in the order of the requests (a request's n samples in order of sample_index)."""

@@ -1,29 +1,39 @@
-"""The engine loop: requests in, one scheduled batch per step through the runner, finished
-sequences out with their text and metrics."""
+"""The engine: the host's loop. Request rows in, finished rows out: rows are checked and tokenized
+ahead of the loop, the scheduler plans each step, the executor (model runner) runs it on the device,
+and finished sequences are judged, decoded behind the loop and turned into result rows."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
+from collections.abc import Iterable, Iterator
 
 from transformers import AutoTokenizer
 
 from batchgen.config import EngineConfig
-from batchgen.forward.parallel import SINGLE
-from batchgen.engine.request import (
-    PreparedRequest, RequestError, RequestPreparer, Sequence, Status, make_samples,
-)
-from batchgen.engine.runner import ModelRunner, StepOutput
+from batchgen.engine.finish import FinishRules, error_row, result_row
+from batchgen.engine.kv_slots import KVSlots
+from batchgen.engine.packer import pack
+from batchgen.engine.request import PreparedRequest, RequestError, RequestPreparer, Sequence, Status, make_samples
 from batchgen.engine.scheduler import Scheduler
-from batchgen.engine.structured import GrammarError, StructuredDecoding, field_name
-from batchgen.engine.tp_workers import TPWorkers, tp_device
+from batchgen.engine.step_plan import plan_step
+from batchgen.engine.structured import GrammarError, StructuredDecoding
+from batchgen.engine.tokenizer_pool import OrderedWorker
+from batchgen.executor.model_runner import ModelRunner
+from batchgen.executor.sampling import StepOutput
+from batchgen.executor.tp_workers import TPWorkers, tp_device
+from batchgen.forward.parallel import SINGLE
 from batchgen.models.model_config import load_model_config
 from batchgen.models.resolve import resolve_model_dir
 from batchgen.sampling_params import SamplingParams
-from batchgen.schema import KNOWN_FIELDS, error_result
+from batchgen.schema import SAMPLES_KEY
 from batchgen.token_text import token_text_of
 
 log = logging.getLogger("batchgen")
+
+_END = object()
+PREPARE_BATCH = 64  # rows per tokenizer call: enough for a batched encode, few enough to start at once
 
 
 class LLMEngine:
@@ -47,7 +57,7 @@ class LLMEngine:
             self.workers.fail(e)
         if self.workers is not None:  # step() reads results back through StepOutput.read(check)
             self.workers.runner_ready(self.runner.graphs.release if self.runner.graphs is not None else None)
-        self.kv = self.runner.kv
+        self.kv = KVSlots(self.runner.kv.num_slots, config.max_num_seqs)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.runner.max_num_batched_tokens,
                                    prefix_caching=config.enable_prefix_caching)
         # a request longer than this can never run: the model's length, or the whole pool
@@ -59,7 +69,9 @@ class LLMEngine:
             self.tokenizer, self.model_cfg.vocab_size, self.eos_ids, config.max_num_seqs,
             pin_memory=self.runner.device.type == "cuda",
         )
+        self.finish = FinishRules(self.tokenizer, self.structured)
         self.in_flight: StepOutput | None = None  # the launched step not yet read back
+        self.stats: dict = {}  # the last generate()'s: generation_seconds, prompt_tokens, output_tokens
         log.info("engine ready: %s", self.describe())
 
     def describe(self) -> dict:
@@ -83,18 +95,6 @@ class LLMEngine:
         """Rows -> PreparedRequest or RequestError each: the part of a request any thread may do."""
         return RequestPreparer(defaults, self.config.seed, self.tokenizer, self.model_cfg.vocab_size,
                                self.max_request_len)
-
-    def prepare(self, row: dict, defaults: SamplingParams) -> PreparedRequest:
-        """One row on the engine's thread; raises RequestError with a one-line reason."""
-        prepared, = self.request_preparer(defaults)([row])
-        if not isinstance(prepared, PreparedRequest):
-            raise prepared
-        return prepared
-
-    def make_sequence(self, row: dict, defaults: SamplingParams) -> Sequence:
-        """Validate a request row -> its sequence (sample 0); raises RequestError with a one-line reason."""
-        seq, = self.sequences(self.prepare(row, defaults), [0])
-        return seq
 
     def sequences(self, prepared: PreparedRequest, indices: list[int] | None = None) -> list[Sequence]:
         """A prepared request -> the sequences of its n samples (those of `indices`, default all).
@@ -120,6 +120,100 @@ class LLMEngine:
         if self.workers is not None:
             self._finalizer()
 
+    # ---- the loop ------------------------------------------------------------------------------
+    def generate(self, requests: Iterable[dict], defaults: SamplingParams,
+                 stop_event: threading.Event | None = None, threaded: bool = True) -> Iterator[dict]:
+        """Yield one result row per request (LLM.generate says how), as each finishes. threaded:
+        tokenize and detokenize in worker threads beside the loop (False: on this thread, between steps)."""
+        source = iter(requests)
+        lookahead = 4 * self.config.max_num_seqs  # waiting requests the scheduler can choose from
+        # Rows are checked and tokenized ahead of the loop, finished texts decoded behind it.
+        ahead = OrderedWorker(self.request_preparer(defaults), "batchgen-tokenize", threaded)
+        behind = OrderedWorker(self.finish.decode_texts, "batchgen-detokenize", threaded)
+        exhausted, index = False, 0
+        joining = False  # the step after the device started on one batch of rows: every row read joins
+        first_admit = last_result = None
+        prompt_tokens = output_tokens = 0
+        self.stats = {}
+        failed = False
+        # With nothing running, the device starts on the oldest batch of rows alone; the batches read after
+        # it are held, and start on the worker once that step is launched: the worker's Python would hold
+        # the GIL while this thread schedules the device's first step.
+        starting = False
+
+        def hand_over(batch: list) -> None:
+            ahead.submit(batch, hold=starting and ahead.pending > 0)  # (the oldest batch is with the worker)
+
+        def results(done: list[tuple]) -> list[dict]:
+            nonlocal last_result, prompt_tokens, output_tokens
+            for seq, _ in done:
+                prompt_tokens += seq.num_prompt
+                output_tokens += len(seq.output_ids)
+            if done:
+                last_result = time.monotonic()
+            return [result_row(seq) for seq, _ in done]
+
+        try:
+            while True:
+                starting = not self.has_work() and not ahead.pending
+                rows = []
+                while not exhausted and len(self.scheduler.waiting) + ahead.pending + len(rows) < lookahead:
+                    row = next(source, _END)
+                    if row is _END:
+                        exhausted = True
+                        break
+                    if row is None:  # a live source with nothing right now: run what we have
+                        break
+                    if isinstance(row, dict) and row.get("id") is None:
+                        row = {**row, "id": index}
+                    index += 1
+                    rows.append(row)
+                    if len(rows) == PREPARE_BATCH:
+                        hand_over(rows)
+                        rows = []
+                if rows:
+                    hand_over(rows)
+                # With nothing to run, the device starts on the oldest batch of rows; at the next step every
+                # other row read by then joins (waited for while the device runs), so that the packer orders
+                # them together. Else take the ones ready; the rest join a later step.
+                if not self.has_work():
+                    taken, joining = ahead.take(oldest=True), True
+                else:
+                    taken, joining = ahead.take(wait_all=joining), False
+                fresh = []
+                for row, prepared in taken:
+                    if isinstance(prepared, RequestError):  # a bad row
+                        yield error_row(row, str(prepared))
+                        continue
+                    try:
+                        fresh.extend(self.sequences(prepared, row.get(SAMPLES_KEY)))
+                    except RequestError as e:  # a constraint that cannot compile
+                        yield error_row(row, str(e))
+                for seq in pack(fresh):
+                    self.add(seq)
+                if stop_event is not None and stop_event.is_set():
+                    yield from results(behind.take(wait_all=True))  # finished ones are not dropped
+                    break
+                if self.has_work():
+                    first_admit = first_admit or time.monotonic()
+                    behind.submit(self.step())
+                ahead.release()  # (starting: its step is launched)
+                yield from results(behind.take(wait_all=not self.has_work()))
+                if exhausted and not self.has_work() and not ahead.pending:
+                    break
+        except Exception:
+            failed = True
+            raise
+        finally:
+            ahead.close()
+            behind.close()
+            # a stop, an error, or a consumer that quit early: free every slot (and after an error the
+            # prefix cache too: it may hold prompts of a step that was never launched)
+            self.abort_all(clear_cache=failed)
+            gen_s = (last_result - first_admit) if first_admit and last_result else 0.0
+            self.stats = {"generation_seconds": gen_s, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
+
+    # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Schedule and launch one batch, then read back the previous one while the device runs
         this one; -> the sequences that finished in the previous batch."""
@@ -136,6 +230,7 @@ class LLMEngine:
         constrained; read back step N; then the constrained samplers' masks (which need N's
         tokens) and step N+1's sampling."""
         batch = self.scheduler.schedule()
+        runner = self.runner
         logits = launched = None
         samplers = scored = None
         if batch is not None:
@@ -143,22 +238,31 @@ class LLMEngine:
             for seq in batch.seqs:
                 if seq.first_scheduled is None:
                     seq.first_scheduled = now
-            inputs, samplers, scored = self.runner.step_inputs(batch)
+            inputs, samplers, scored = plan_step(batch, runner.tp.size)
             if self.workers is not None:
                 self.workers.send(inputs)  # the other ranks run the same step
-            logits = self.runner.launch_forward(inputs, self.in_flight, self.runner.logits_dtype(samplers, scored))
+            previous = self.in_flight.tokens if self.in_flight is not None else None
+            logits = runner.launch_forward(inputs, previous, runner.logits_dtype(samplers, scored))
             if not any(seq.structured is not None for seq in samplers):
-                launched = self.runner.launch_sampling(logits, samplers, scored,
-                                                       from_shards=bool(inputs.sample_from_shards))
+                launched = self._sample(logits, samplers, scored, from_shards=bool(inputs.sample_from_shards))
         finished = self._read_back(self.in_flight) if self.in_flight is not None else []
         if logits is not None and launched is None:  # constrained: N's tokens are accepted now
             rows, bitmask, ended = self.structured.fill(samplers)
             for seq in ended:
-                self._end_by_grammar(seq)
+                self.finish.end_by_grammar(seq)
+                self.scheduler.finish(seq)
                 finished.append(seq)
-            launched = self.runner.launch_sampling(logits, samplers, scored, (rows, bitmask) if rows else None)
+            launched = self._sample(logits, samplers, scored, (rows, bitmask) if rows else None)
         self.in_flight = launched
         return finished
+
+    def _sample(self, logits, samplers: list[Sequence], scored: list, mask=None, from_shards=False) -> StepOutput:
+        """Launch the sampling of a step's logits; each sampler's token is pending until read back."""
+        launched = self.runner.sampler.launch(logits, samplers, scored, mask, from_shards)
+        for i, seq in enumerate(samplers):
+            seq.logits_row = i
+            seq.num_pending += 1
+        return launched
 
     def _read_back(self, step: StepOutput) -> list[Sequence]:
         tokens, token_logprobs, prompt_logprobs = step.read(self.workers.check if self.workers else None)
@@ -183,32 +287,11 @@ class LLMEngine:
             seq.token_ids.append(token)
             if seq.first_token is None:
                 seq.first_token = now
-            if (seq.matcher is not None and self._check_grammar(seq, token)) or self._check_finished(seq, token):
+            if self.finish.ends(seq, token):
                 seq.finished_at = now
                 self.scheduler.finish(seq)
                 finished.append(seq)
         return finished
-
-    def _check_grammar(self, seq: Sequence, token: int) -> bool:
-        """Its grammar accepts the new token (exactly once) -> whether that ended the sequence: a
-        stop token where the grammar is complete (finish_reason stop, even under ignore_eos)."""
-        if not self.structured.accept(seq, token):  # the mask allowed it: only a bug gets here
-            seq.error = f"{field_name(seq.structured)}: generated token {token} was rejected by the grammar"
-            return True
-        if seq.matcher.is_terminated():
-            seq.finish_reason, seq.text_tokens = "stop", len(seq.output_ids) - 1  # without the stop token
-            return True
-        return False
-
-    def _end_by_grammar(self, seq: Sequence) -> None:
-        """A sequence that fill() ended: its grammar failed to compile (seq.error), or is complete
-        and allows only a stop token next (finish_reason stop, without sampling it)."""
-        now = time.monotonic()
-        if seq.error is None:
-            seq.finish_reason, seq.text_tokens = "stop", len(seq.output_ids)
-        seq.first_token = seq.first_token or now
-        seq.finished_at = now
-        self.scheduler.finish(seq)
 
     def abort_all(self, clear_cache: bool = False) -> None:
         """Drop every request, freeing its slots. clear_cache: empty the prefix cache too (after a
@@ -219,84 +302,3 @@ class LLMEngine:
         self.in_flight = None
         if clear_cache and self.scheduler.cache is not None:
             self.scheduler.cache.clear()
-
-    def _check_finished(self, seq: Sequence, token: int) -> bool:
-        params = seq.params
-        num_out = len(seq.token_ids) - seq.num_prompt  # known on the host (pending ones not counted)
-        if token in seq.stop_ids and num_out >= params.min_tokens:
-            seq.finish_reason, seq.text_tokens = "stop", num_out - 1  # the text leaves out the stop token
-            return True
-        if params.stop and num_out >= params.min_tokens and (
-            num_out == params.min_tokens or self._stop_in_tail(seq)
-        ):  # the whole text only when it may hold a stop string: it is decoded once, not every step
-            text = self.decode(seq.output_ids)
-            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.finish_reason, seq.text = "stop", text[:cut]
-                return True
-        if num_out >= params.max_tokens:
-            seq.finish_reason, seq.text_tokens = "length", num_out
-            return True
-        return False
-
-    def _stop_in_tail(self, seq: Sequence) -> bool:
-        """Whether a stop string shows in the text of the last few tokens. Checked every step, a stop
-        string first appears ending in the newest token, within its last 4 * len(stop) tokens (a
-        character takes at most 4 byte tokens); 8 more keep the tail's first token, whose decoding
-        may differ from its decoding in context (a dropped leading space), clear of it."""
-        window = 4 * max(len(s) for s in seq.params.stop) + 8
-        tail = self.decode(seq.token_ids[max(seq.num_prompt, len(seq.token_ids) - window) :])
-        return any(s in tail for s in seq.params.stop)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def decode_texts(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Fill in the text of finished sequences that have none yet (those that ended by a stop string
-        have theirs), in one batched call; any thread may run it. -> seqs"""
-        todo = [seq for seq in seqs if seq.text is None]
-        if todo:
-            ids = [seq.token_ids[seq.num_prompt : seq.num_prompt + seq.text_tokens] for seq in todo]
-            for seq, text in zip(todo, self.tokenizer.batch_decode(ids, skip_special_tokens=True)):
-                seq.text = text
-        return seqs
-
-
-def result_row(seq: Sequence) -> dict:
-    """DESIGN.md's output row of a finished sequence."""
-    if seq.error is not None:  # failed in the engine (its grammar): an error row like a refused one
-        return error_result(seq.id, seq.error, seq.extras)
-    out_ids = seq.output_ids
-    queue = seq.first_scheduled - seq.arrival
-    ttft = seq.first_token - seq.arrival
-    prefill = seq.first_token - seq.first_scheduled
-    decode = seq.finished_at - seq.first_token
-    return {
-        "id": seq.id,
-        **seq.extras,
-        "sample_index": seq.sample_index,
-        "text": seq.text,
-        "output_token_ids": out_ids,
-        "finish_reason": seq.finish_reason,
-        "error": None,
-        "prompt_tokens": seq.num_prompt,
-        "completion_tokens": len(out_ids),
-        "cached_prompt_tokens": seq.cached_prompt_tokens,
-        "num_preemptions": seq.num_preemptions,
-        "queue_s": queue,
-        "ttft_s": ttft,
-        "prefill_s": prefill,
-        "decode_s": decode,
-        "e2e_s": seq.finished_at - seq.arrival,
-        "decode_tokens_per_s": (len(out_ids) - 1) / decode if decode > 0 and len(out_ids) > 1 else None,
-        **({"logprobs": seq.logprobs} if seq.logprobs is not None else {}),
-        **({"prompt_logprobs": seq.prompt_logprobs} if seq.prompt_logprobs is not None else {}),
-        **({"top_logprobs": seq.top_logprobs} if seq.top_logprobs is not None else {}),
-    }
-
-
-def error_row(row, message: str) -> dict:
-    """The error result of a request row the engine refused, its extra keys carried through."""
-    if not isinstance(row, dict):
-        return error_result(None, message)
-    return error_result(row.get("id"), message, {k: v for k, v in row.items() if k not in KNOWN_FIELDS})

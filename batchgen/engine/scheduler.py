@@ -22,7 +22,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
-from batchgen.engine.kv_cache import KVCache
+from batchgen.engine.kv_slots import KVSlots
 from batchgen.engine.prefix_cache import PrefixCache
 from batchgen.engine.request import Sequence, Status
 
@@ -58,7 +58,7 @@ def expected_future_tokens(seq: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool = False):
+    def __init__(self, kv: KVSlots, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool = False):
         self.kv = kv
         self.cache = PrefixCache(kv) if prefix_caching else None
         kv.prefix_cache = self.cache

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchgen.engine.cpu_memory import keep_freed_memory
+from batchgen.executor.cpu_memory import keep_freed_memory
 from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from batchgen.layers.linear import ColumnParallelLinear, RowParallelLinear
 from batchgen.layers.packed_linear import can_pack

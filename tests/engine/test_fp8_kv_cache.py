@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from batchgen import LLM, EngineConfig, SamplingParams
-from batchgen.engine.runner import resolve_kv_dtype
+from batchgen.executor.memory import resolve_kv_dtype
 from tests.engine.test_default_model import pytestmark as needs_default_model
 
 
@@ -29,7 +29,7 @@ def test_fp8_pool_holds_four_times_the_fp32_tokens(tiny_model):
     options = dict(dtype="float32", device="cpu", cpu_kv_cache_gb=0.0001, max_num_seqs=4)
     auto = LLM(str(tiny_model("llama")), **options)
     fp8 = LLM(str(tiny_model("llama")), kv_cache_dtype="fp8", **options)
-    assert fp8.engine.kv.k.dtype == torch.float8_e4m3fn and auto.engine.kv.k.dtype == torch.float32
+    assert fp8.engine.runner.kv.k.dtype == torch.float8_e4m3fn and auto.engine.runner.kv.k.dtype == torch.float32
     assert 4 * auto.engine.kv.num_slots <= fp8.engine.kv.num_slots < 4 * (auto.engine.kv.num_slots + 1)  # (floors)
     assert fp8.describe()["kv_cache_dtype"] == "float8_e4m3fn" and auto.describe()["kv_cache_dtype"] == "float32"
 

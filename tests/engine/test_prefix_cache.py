@@ -5,7 +5,7 @@ from array import array
 
 import torch
 
-from batchgen.engine.kv_cache import KVCache
+from batchgen.engine.kv_slots import KVSlots
 from batchgen.engine.prefix_cache import PrefixCache
 from batchgen.engine.request import Sequence
 from batchgen.engine.scheduler import Scheduler
@@ -66,7 +66,7 @@ def test_least_recently_used_leaf_is_evicted_first():
 
 
 def make_kv(slots, rows=8, max_len=256):
-    return KVCache(1, slots, 1, 4, rows, max_len, torch.float32, torch.device("cpu"))
+    return KVSlots(slots, rows)
 
 
 def seq(i, prompt, max_tokens=4, ignore_eos=True):

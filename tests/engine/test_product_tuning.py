@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import batchgen.engine.product_tuning as tuning
+import batchgen.executor.product_tuning as tuning
 import batchgen.kernels.tile_gemm as tg
-from batchgen.engine.kv_cache import KVCache
+from batchgen.executor.kv_cache import KVCache
 
 BF16 = dict(dtype=torch.bfloat16)
 GATE_UP, O, DOWN, QKV = (16384, 2048), (2048, 2048), (2048, 8192), (3072, 2048)  # llama-3.2-1b's

@@ -7,7 +7,7 @@ import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.kernels.gumbel_argmax import _row_keys, _uniform_at
-from batchgen.layers.sampler import SamplingBatch, mask_top_k_top_p, sample
+from batchgen.executor.sampling import SamplingBatch, mask_top_k_top_p, sample
 
 
 def sampling_batch(n, temperature=1.0, top_k=None, top_p=1.0, seeds=None, vocab=50):
@@ -138,7 +138,7 @@ def test_stop_string_late_in_a_long_output(llm, where, min_tokens):
     row = {"id": 0, "prompt_token_ids": [11, 22, 33], "seed": 3}  # seeded: the same tokens every run
     params = SamplingParams(temperature=0.8, max_tokens=48, ignore_eos=True)
     ids = llm.generate_list([row], params)[0]["output_token_ids"]
-    decode = llm.engine.decode
+    decode = llm.engine.finish.decode
     full, tail = decode(ids), decode(ids[min_tokens // 2 :])
     windows = [full[i : i + 3] for i in range(len(full) - 2) if full[i : i + 3].isalnum()]
     if where == "late":  # the last one whose first occurrence is in the second half
@@ -172,7 +172,7 @@ def test_kept_sampling_parameters_give_the_tokens_of_fresh_ones(llm, monkeypatch
     """Steps whose samplers are the last step's sequences, one token further, keep that step's
     parameters on the device and advance their step counters: the same tokens as parameters staged
     afresh every step, through finishes, joins and a min_tokens ban."""
-    from batchgen.engine.runner import KeptSampling
+    from batchgen.executor.sampling import KeptSampling
 
     rows = [{"id": i, "prompt_token_ids": list(range(2, 4 + i)), "seed": 10 + i, "max_tokens": 4 + 3 * i}
             for i in range(5)]
@@ -189,28 +189,28 @@ def test_kept_sampling_parameters_give_the_tokens_of_fresh_ones(llm, monkeypatch
 def test_kept_sampling_parameters_equal_staged_ones(llm):
     from types import SimpleNamespace
 
-    runner = llm.engine.runner
+    sampler = llm.engine.runner.sampler
     seqs = [SimpleNamespace(params=SamplingParams(temperature=t, top_p=p, seed=s), num_generated=g, stop_ids=[0])
             for t, p, s, g in [(0.7, 1.0, 3, 0), (1.3, 0.8, 4, 5)]]
 
     def fields(sb):
         return [sb.temperatures, sb.top_ks, sb.top_ps, sb.seeds, sb.steps + sb.step_offset]
 
-    first = runner.sampling_batch(seqs)
+    first = sampler.parameters(seqs)
     for s in seqs:
         s.num_generated += 1
-    again = runner.sampling_batch(seqs)  # the same tensors, one step further: nothing copied, no op
+    again = sampler.parameters(seqs)  # the same tensors, one step further: nothing copied, no op
     assert again.steps is first.steps and again.seeds is first.seeds and again.steps.tolist() == [0, 5]
     assert again.step_offset == 1
-    runner._kept_sampling = None
-    for got, want in zip(fields(again), fields(runner.sampling_batch(seqs))):
+    sampler._kept = None
+    for got, want in zip(fields(again), fields(sampler.parameters(seqs))):
         assert torch.equal(got, want)
     seqs[0].num_generated += 2  # not one token further: staged afresh
-    fresh = runner.sampling_batch(seqs)
+    fresh = sampler.parameters(seqs)
     assert fresh.steps is not first.steps and fresh.steps.tolist() == [3, 6] and fresh.step_offset == 0
     for s in seqs:
         s.num_generated += 1
-    swapped = runner.sampling_batch(seqs[::-1])  # one token further, in another order: staged afresh
+    swapped = sampler.parameters(seqs[::-1])  # one token further, in another order: staged afresh
     assert swapped.steps is not fresh.steps and swapped.steps.tolist() == [7, 4] and swapped.seeds.tolist() == [4, 3]
 
 
@@ -218,7 +218,7 @@ def test_cpu_top_k_top_p_keeps_the_sorted_versions_sets():
     """The CPU path (the largest logits only where they settle a row, else a sort) against sorting
     whole rows: the same sets, flat rows and large top_k included, ties (logits rounded to bf16) taken
     in token order; a row's set does not depend on the rest of the batch."""
-    from batchgen.layers.sampler import mask_top_k_top_p_cpu, mask_top_k_top_p_sorted
+    from batchgen.executor.sampling import mask_top_k_top_p_cpu, mask_top_k_top_p_sorted
 
     top_ks = torch.tensor([3001, 5, 64, 70, 200, 3001, 3001, 1, 3001, 10, 3001, 2000])
     top_ps = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.99, 0.3, 0.999, 0.7, 1.0, 1.0, 0.05, 0.8])
@@ -243,7 +243,7 @@ def test_cpu_top_k_top_p_keeps_the_sorted_versions_sets():
 def test_cpu_top_k_top_p_edges():
     """Large logits (the normaliser's rounding must not move the nucleus), top_k alone (top_p 1 keeps
     all k), and a temperature so small that the scaled logits overflow (as the sorted version does)."""
-    from batchgen.layers.sampler import mask_top_k_top_p_cpu, mask_top_k_top_p_sorted
+    from batchgen.executor.sampling import mask_top_k_top_p_cpu, mask_top_k_top_p_sorted
 
     logits = torch.tensor([[1250.906982421875, 1248.7099609375, -1e4, -1e4]] * 3)  # p0 = 0.89998 < top_p
     temperatures = torch.tensor([1.0, 0.3, 1e-40])
@@ -254,7 +254,7 @@ def test_cpu_top_k_top_p_edges():
 
 
 def test_log_normaliser_without_subnormals_matches_torch():
-    from batchgen.layers.sampler import _log_normaliser
+    from batchgen.executor.sampling import _log_normaliser
 
     x = torch.randn(5, 4000, generator=torch.Generator().manual_seed(3)) * torch.tensor([1.0, 30, 300, 3000, 1])[:, None]
     x[1, ::2] = float("-inf")  # masked entries
@@ -278,13 +278,13 @@ def test_which_steps_sample_from_16_bit_logits(llm, fields, plain):
     CPU, a fp32 model or across tensor-parallel ranks."""
     from types import SimpleNamespace
 
-    from batchgen.engine.runner import ModelRunner
+    from batchgen.executor.model_runner import ModelRunner
     from batchgen.forward.parallel import SINGLE
 
     engine = llm.engine
     defaults = SamplingParams(temperature=0.7, max_tokens=4)
-    seq = engine.make_sequence({"id": 0, "prompt_token_ids": [1, 2, 3], **fields}, defaults)
-    other = engine.make_sequence({"id": 1, "prompt_token_ids": [4, 5]}, defaults)
+    seq, other = (engine.sequences(prepared, [0])[0] for prepared in engine.request_preparer(defaults)(
+        [{"id": 0, "prompt_token_ids": [1, 2, 3], **fields}, {"id": 1, "prompt_token_ids": [4, 5]}]))
     assert seq.plain_sampling is plain and other.plain_sampling
     gpu = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda"), tp=SINGLE)
     assert ModelRunner.logits_dtype(gpu, [other, seq], []) == (torch.bfloat16 if plain else torch.float32)

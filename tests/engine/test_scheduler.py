@@ -1,14 +1,14 @@
 """KV pool and scheduler on their own: budgets, preemption order, no leaked slot."""
 import torch
 
-from batchgen.engine.kv_cache import KVCache
+from batchgen.engine.kv_slots import KVSlots
 from batchgen.engine.request import Sequence
 from batchgen.engine.scheduler import Scheduler
 from batchgen.sampling_params import SamplingParams
 
 
 def make_kv(slots, rows=8, max_len=64):
-    return KVCache(1, slots, 1, 4, rows, max_len, torch.float32, torch.device("cpu"))
+    return KVSlots(slots, rows)
 
 
 def seq(i, prompt_len, max_tokens=4, ignore_eos=True):

@@ -1,4 +1,4 @@
-"""Sampling from vocabulary shards under tensor parallelism (engine/shard_sampling.py): the shards'
+"""Sampling from vocabulary shards under tensor parallelism (executor/sampling.py): the shards'
 best scores combine into the whole vocabulary's token (ties to the lowest id, shards of padding
 never chosen), and at TP=2 the engine gives the same tokens as with the gathered logits, taking the
 shard path only for steps that need nothing but the Gumbel-max token."""
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine import runner as runner_module
-from batchgen.engine import shard_sampling
-from batchgen.engine.shard_sampling import tokens_from_shards
+from batchgen.engine import step_plan
+from batchgen.executor import sampling as sampling_module
+from batchgen.executor.sampling import samples_from_shards, tokens_from_shards
 from batchgen.kernels.gumbel_argmax import GROUP, gumbel_argmax, gumbel_max
 from batchgen.layers.embedding import vocab_rows_per_rank
 from tests.tiny_models import VOCAB
@@ -76,10 +76,11 @@ def test_shards_are_whole_groups():
 
 def run(model_dir, rows, sampling, from_shards, monkeypatch):
     """TP=2 on the tiny model -> (results, steps rank 0 sampled from shards)."""
-    monkeypatch.setattr(shard_sampling, "SAMPLE_FROM_SHARDS", from_shards)  # rank 0 decides for all
+    decide = samples_from_shards if from_shards else (lambda *a: False)
+    monkeypatch.setattr(step_plan, "samples_from_shards", decide)  # rank 0 decides for all
     calls = []
-    real = runner_module.tokens_from_shards
-    monkeypatch.setattr(runner_module, "tokens_from_shards", lambda *a: calls.append(1) or real(*a))
+    real = sampling_module.tokens_from_shards
+    monkeypatch.setattr(sampling_module, "tokens_from_shards", lambda *a: calls.append(1) or real(*a))
     llm = LLM(str(model_dir), dtype="float32", device=DEVICE, tensor_parallel_size=2, max_num_seqs=4)
     try:
         return llm.generate_list(rows, sampling), len(calls)

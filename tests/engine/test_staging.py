@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from batchgen.engine.staging import Staging
+from batchgen.executor.staging import Staging
 
 SPIN = 50_000_000  # cycles of torch.cuda._sleep: ~25 ms, long enough for a copy that did not wait to run first
 

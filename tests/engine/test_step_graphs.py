@@ -1,11 +1,18 @@
-"""The step graphs' padded batches, run eagerly on CPU (ModelGraphs(capture=False)): every step
+"""The step graphs' padded batches, run eagerly on CPU (EagerGraphs: nothing captured): every step
 goes through the static buffers the CUDA graphs read (padding tokens, padding sequences, padded
 logits rows, the unified attention path; decode steps through their packed inputs, unpacked as a
 decode graph unpacks them), and must give what the plain eager steps give."""
 import pytest
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.cuda_graphs import ModelGraphs, batch_size_ladder, token_count_ladder
+from batchgen.executor.cuda_graphs import ModelGraphs, batch_size_ladder, token_count_ladder
+
+
+class EagerGraphs(ModelGraphs):
+    """The graphs' static batches and padding without capturing: each replay runs its batch eagerly."""
+
+    def _capture(self) -> None:
+        pass
 
 
 def test_ladders_cover_every_size():
@@ -35,8 +42,7 @@ def test_padded_static_batches_match_eager_steps(tiny_model, kind):
     want = eager.generate_list(requests, params)
     padded = LLM(str(tiny_model(kind)), **options)
     runner = padded.engine.runner
-    runner.graphs = ModelGraphs(runner.model, runner.kv, 6, runner.max_num_batched_tokens, runner.device,
-                                capture=False)
+    runner.use_graphs(EagerGraphs(runner.model, runner.kv, 6, runner.max_num_batched_tokens, runner.device))
     used = []
     pick, decode_key = runner.graphs.pick, runner.graphs.decode_key
     runner.graphs.pick = lambda fb, n: used.append(pick(fb, n)) or used[-1]
@@ -54,12 +60,11 @@ def test_decode_graph_step_writes_cached_prefixes(tiny_model):
     decode graph step writes them into the token table beside the decode's own slot."""
     import torch
 
-    from batchgen.engine.step_inputs import FIELDS, StepInputs
+    from batchgen.executor.step_inputs import FIELDS, StepInputs
 
     llm = LLM(str(tiny_model("llama")), device="cpu", dtype="float32", max_num_seqs=4)
     runner = llm.engine.runner
-    runner.graphs = ModelGraphs(runner.model, runner.kv, 4, runner.max_num_batched_tokens, runner.device,
-                                capture=False)
+    runner.use_graphs(EagerGraphs(runner.model, runner.kv, 4, runner.max_num_batched_tokens, runner.device))
     runner.kv.k.zero_(), runner.kv.v.zero_()  # (the cached slots' K/V: the pool is uninitialised memory)
     arrays = {f: [] for f in FIELDS}
     arrays.update(input_ids=[9], positions=[5], out_slots=[77], logits_indices=[0], prefix_rows=[2, 2],

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.tp_workers import TensorParallelError, TPWorkers
+from batchgen.executor.tp_workers import TensorParallelError, TPWorkers
 from tests.tiny_models import VOCAB, load_hf, save_tokenizer
 
 DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"

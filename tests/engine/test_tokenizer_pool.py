@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-import batchgen.llm
+import batchgen.engine.engine
 from batchgen import LLM, SamplingParams
 from batchgen.engine.request import RequestError, RequestPreparer
 from batchgen.engine.tokenizer_pool import OrderedWorker
@@ -98,7 +98,7 @@ def results_by_id(llm, rows, params):
 def test_the_pool_gives_what_tokenizing_in_the_loop_gives(tiny_model, monkeypatch, params):
     """Rows in many tokenizer batches, over many pulls (a small lookahead), with bad rows among them:
     the same results, token for token and error for error, as tokenizing on the engine's thread."""
-    monkeypatch.setattr(batchgen.llm, "PREPARE_BATCH", 8)
+    monkeypatch.setattr(batchgen.engine.engine, "PREPARE_BATCH", 8)
     model = str(tiny_model("llama"))
     rows = [r if not isinstance(r, dict) else {k: v for k, v in r.items() if k != "max_tokens"}
             for r in mixed_rows(seed=1, n=100) if not (isinstance(r, dict) and "messages" in r)]
@@ -119,7 +119,7 @@ def test_the_pool_gives_what_tokenizing_in_the_loop_gives(tiny_model, monkeypatc
 def test_the_device_starts_on_the_first_batch_of_rows(tiny_model, monkeypatch):
     """With nothing running, the first step starts once the oldest batch of rows is prepared, not all
     of them; the step after it takes every other row read (waited for), and every row gets its result."""
-    monkeypatch.setattr(batchgen.llm, "PREPARE_BATCH", 4)
+    monkeypatch.setattr(batchgen.engine.engine, "PREPARE_BATCH", 4)
     llm = LLM(str(tiny_model("llama")), max_num_seqs=16, kv_cache_tokens=400, max_model_len=128)
     engine, events = llm.engine, []
     preparer, step = engine.request_preparer, engine.step
@@ -153,7 +153,7 @@ def test_the_other_rows_are_prepared_once_the_first_step_is_launched(tiny_model,
     """With nothing running, only the oldest batch is prepared before the first step: the rest are handed
     to the worker (or prepared in the loop) after that step is launched, so that no Python beside it
     holds the GIL while the loop schedules and launches it. The next step takes them all."""
-    monkeypatch.setattr(batchgen.llm, "PREPARE_BATCH", 4)
+    monkeypatch.setattr(batchgen.engine.engine, "PREPARE_BATCH", 4)
     llm = LLM(str(tiny_model("llama")), tokenizer_pool=pool, max_num_seqs=16, kv_cache_tokens=400, max_model_len=128)
     engine, events = llm.engine, []
     preparer, step = engine.request_preparer, engine.step

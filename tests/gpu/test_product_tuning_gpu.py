@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import batchgen.engine.product_tuning as tuning
+import batchgen.executor.product_tuning as tuning
 import batchgen.kernels.tile_gemm as tg
 from batchgen import LLM
-from batchgen.engine.warmup import reset_synthetic_rows, synthetic_batch
+from batchgen.executor.warmup import reset_synthetic_rows, synthetic_batch
 from tests.tiny_models import VOCAB, save_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

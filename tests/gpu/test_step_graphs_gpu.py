@@ -5,6 +5,12 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
+from batchgen.engine.step_plan import plan_step
+
+
+def add_rows(engine, rows, params):
+    for prepared in engine.request_preparer(params)(rows):
+        engine.add(*engine.sequences(prepared))
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -14,16 +20,16 @@ def test_mixed_step_graph_equals_eager(tiny_model, kind):
     llm = LLM(str(tiny_model(kind)), dtype="float32", max_num_seqs=8, max_num_batched_tokens=96)
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for i in range(3):  # three sequences that will be decoding
-        engine.add(engine.make_sequence({"id": i, "prompt_token_ids": [5 + i, 17, 99, 3] * (2 + i)}, params))
+    # three sequences that will be decoding
+    add_rows(engine, [{"id": i, "prompt_token_ids": [5 + i, 17, 99, 3] * (2 + i)} for i in range(3)], params)
     for _ in range(4):
         engine.step()
-    for i in range(3, 5):  # two long prompts: chunks, one continuing a cached part
-        engine.add(engine.make_sequence({"id": i, "prompt_token_ids": list(range(10 + i, 150 + i))}, params))
+    # two long prompts: chunks, one continuing a cached part
+    add_rows(engine, [{"id": i, "prompt_token_ids": list(range(10 + i, 150 + i))} for i in range(3, 5)], params)
     checked = 0
     for _ in range(4):
         batch = engine.scheduler.schedule()
-        inputs, samplers, _ = runner.step_inputs(batch)
+        inputs, samplers, _ = plan_step(batch, runner.tp.size)
         previous = engine.in_flight.tokens if engine.in_flight is not None else None
         with torch.inference_mode():
             fb = runner.forward_batch(inputs, previous)
@@ -40,7 +46,7 @@ def test_mixed_step_graph_equals_eager(tiny_model, kind):
                 torch.testing.assert_close(graphed, eager_split, rtol=1e-3, atol=1e-3)
                 checked += 1
         # then the step as engine.step() runs it, so that the engine's state moves on
-        launched = runner.launch_sampling(runner.launch_forward(inputs, engine.in_flight), samplers, [])
+        launched = engine._sample(runner.launch_forward(inputs, previous), samplers, [])
         if engine.in_flight is not None:
             engine._read_back(engine.in_flight)
         engine.in_flight = launched

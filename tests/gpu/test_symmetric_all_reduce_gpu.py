@@ -83,7 +83,7 @@ KILL_RANK_1 = r"""
 import os, signal, sys
 from multiprocessing.connection import wait
 from batchgen import LLM, SamplingParams
-from batchgen.engine.tp_workers import TensorParallelError, TPWorkers
+from batchgen.executor.tp_workers import TensorParallelError, TPWorkers
 
 real_send, calls = TPWorkers.send, []
 

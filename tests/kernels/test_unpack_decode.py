@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from batchgen.engine.step_inputs import FIELDS, SCALARS, StepInputs
+from batchgen.executor.step_inputs import FIELDS, SCALARS, StepInputs
 from batchgen.kernels.unpack_decode import unpack_decode_ref, unpack_decode_triton
 
 

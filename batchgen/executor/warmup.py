@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 import triton
 
-from batchgen.engine.kv_cache import KVCache
+from batchgen.executor.kv_cache import KVCache
 from batchgen.forward.batch import ForwardBatch
 from batchgen.kernels.decode_attention import dense_tile_batch_sizes, num_sms
 from batchgen.kernels.gumbel_argmax import gumbel_max
 from batchgen.kernels.token_bitmask import apply_token_bitmask
-from batchgen.layers.sampler import SamplingBatch, sample
+from batchgen.executor.sampling import SamplingBatch, sample
 
 log = logging.getLogger("batchgen")
 

@@ -40,7 +40,7 @@ import torch
 
 from batchgen.config import EngineConfig
 from batchgen.forward.parallel import TensorParallel, connect
-from batchgen.engine.step_inputs import StepInputs
+from batchgen.executor.step_inputs import StepInputs
 
 EXIT_STOPPED, EXIT_FAILED, EXIT_PARENT_GONE = 0, 1, 3
 STOP = b""  # the step message that ends a worker
@@ -54,7 +54,7 @@ class TensorParallelError(RuntimeError):
 
 def tp_device(config: EngineConfig) -> torch.device:
     """The device type of every rank; on CUDA, checks that there is a GPU per rank."""
-    from batchgen.engine.runner import resolve_device
+    from batchgen.executor.memory import resolve_device
 
     device = resolve_device(config.device)
     size = config.tensor_parallel_size
@@ -251,7 +251,7 @@ def _exit(code: int) -> None:
 def worker_main(rank, size, store_path, config, model_dir, device_type, steps, life) -> None:
     threading.Thread(target=_exit_when_parent_goes, args=(life,), daemon=True).start()
     try:
-        from batchgen.engine.runner import ModelRunner
+        from batchgen.executor.model_runner import ModelRunner
         from batchgen.models.model_config import load_model_config
 
         if device_type == "cuda":

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.engine.kv_cache import KVCache
-from batchgen.engine.step_inputs import FIELDS, HEADER, SCALARS
+from batchgen.executor.kv_cache import KVCache
+from batchgen.executor.step_inputs import FIELDS, HEADER, SCALARS
 from batchgen.forward.batch import ForwardBatch
 from batchgen.kernels.longest_first import is_ordered, longest_first
 from batchgen.kernels.unpack_decode import unpack_decode
@@ -53,12 +53,10 @@ def token_count_ladder(max_tokens: int) -> list[int]:
 
 
 class ModelGraphs:
-    def __init__(self, model, kv: KVCache, max_num_seqs: int, max_tokens: int, device: torch.device,
-                 capture: bool = True):
+    def __init__(self, model, kv: KVCache, max_num_seqs: int, max_tokens: int, device: torch.device):
         """model(ForwardBatch) -> hidden states [S, H] of the batch's logits rows; kv: the pool the
-        graphs read and write; max_tokens: the step token budget (the largest step graph).
-        capture=False runs the same padded static batches eagerly instead of replaying graphs (any
-        device: what the tests check the padding with on a CPU)."""
+        graphs read and write; max_tokens: the step token budget (the largest step graph). A graph
+        that is not captured runs the same padded static batch eagerly."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.decode_sizes = batch_size_ladder(max_num_seqs)
@@ -85,8 +83,7 @@ class ModelGraphs:
         self.batches = {(kind, n): self._static_batch(kind, n)
                         for kind, sizes in (("step", self.step_sizes), ("decode", self.decode_sizes)) for n in sizes}
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        if capture:
-            self._capture()
+        self._capture()
 
     def _capture(self) -> None:
         pool = None

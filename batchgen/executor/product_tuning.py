@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import triton
 
-from batchgen.engine.cuda_graphs import batch_size_ladder, token_count_ladder
-from batchgen.engine.warmup import reset_synthetic_rows, synthetic_batch
+from batchgen.executor.cuda_graphs import batch_size_ladder, token_count_ladder
+from batchgen.executor.warmup import reset_synthetic_rows, synthetic_batch
 from batchgen.kernels import silu_and_mul
 from batchgen.kernels import tile_gemm as tg
 from batchgen.kernels.decode_attention import num_sms
