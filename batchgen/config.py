@@ -16,6 +16,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the checkpoint's half dtype on CUDA; on CPU bf16 where native, else fp32
     device: str = "auto"
     tensor_parallel_size: int = 1
+    data_parallel_size: int | str = 1  # engine replicas, each on its own GPU or TP group; "auto": every visible GPU
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # per-step token budget; None: 8192 on CUDA, 2048 on CPU
     gpu_memory_utilization: float = 0.9
@@ -39,6 +40,10 @@ class EngineConfig:
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
              f"{self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        need(self.data_parallel_size == "auto" or (isinstance(self.data_parallel_size, int)
+                                                    and not isinstance(self.data_parallel_size, bool)
+                                                    and self.data_parallel_size >= 1),
+             "data_parallel_size", f"{self.data_parallel_size!r}; give a number >= 1 or auto")
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         if self.max_num_batched_tokens is not None:
             need(

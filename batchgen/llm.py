@@ -6,6 +6,7 @@ from collections.abc import Iterable, Iterator
 
 from batchgen.config import EngineConfig
 from batchgen.engine.engine import LLMEngine
+from batchgen.engine.replicas import ReplicaPool, data_parallel_size
 from batchgen.models.generation_config import read_sampling_defaults
 from batchgen.sampling_params import SamplingParams, resolve_defaults
 from batchgen.version import __version__
@@ -25,13 +26,14 @@ class LLM:
         the engine's thread, between steps)."""
         self.config = EngineConfig(model=model, **engine_options)
         self.tokenizer_pool = tokenizer_pool
-        self.engine = LLMEngine(self.config)
+        replicated = data_parallel_size(self.config) > 1
+        self.engine = ReplicaPool(self.config) if replicated else LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._default_sampling: SamplingParams | None = None
 
     def close(self) -> None:
-        """Release the engine's worker processes (tensor parallelism); also done when the LLM is
-        collected or the interpreter exits."""
+        """Release the engine's worker processes (tensor parallelism, data-parallel replicas); also done
+        when the LLM is collected or the interpreter exits."""
         self.engine.close()
 
     def describe(self) -> dict:

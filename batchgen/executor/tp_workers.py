@@ -1,51 +1,37 @@
 """Tensor-parallel worker processes and the per-step hand-off.
 
 Rank 0 is the calling process: it owns the scheduler, the tokenizer and sampling. Ranks 1..N-1 are
-processes started here (spawn), one per GPU (rank r on cuda:r; NCCL), or CPU processes (gloo). Every
-rank builds the same ModelRunner over its own shards. Each step rank 0 writes the step's packed
-StepInputs to a pipe per worker; every rank stages them, runs the forward (the collectives inside),
-and the workers receive rank 0's sampled tokens by a broadcast on the device.
+children (executor/processes.py: they never outlive it), one per GPU (rank r on cuda:r; NCCL), or CPU
+processes (gloo). Every rank builds the same ModelRunner over its own shards. Each step rank 0 writes the
+step's packed StepInputs to a pipe per worker; every rank stages them, runs the forward (the collectives
+inside), and the workers receive rank 0's sampled tokens by a broadcast on the device.
 
-No orphans, whatever ends the job:
-- a worker watches a pipe from the parent on a thread; EOF (the parent exited, was killed, or tore
-  the workers down) ends the worker at once;
-- a worker that fails reports its error on that pipe and exits; the parent's monitor thread sees the
-  report or the exit and aborts the NCCL collectives (no rank then waits forever on a dead peer), and
-  the engine raises TensorParallelError naming the rank and the reason, after ending the other
-  workers;
-- the parent ends its workers when the engine is closed or collected, and at interpreter exit.
-
-Worker exit codes: 0 stopped by the parent, 1 failed (its error was reported to the parent), 3 the
-parent went away. The ranks meet through a FileStore in a fresh temporary directory: no ports and no
+A worker that fails reports its error and exits; the monitor aborts the NCCL collectives (no rank then
+waits forever on a dead peer), and the engine raises TensorParallelError naming the rank and the reason,
+after ending the other workers. The parent ends its workers when the engine is closed or collected, and
+at interpreter exit. The ranks meet through a FileStore in a fresh temporary directory: no ports and no
 fixed names, so two jobs on one host never collide.
-
-Processes are started with spawn: a script that builds an LLM with tensor_parallel_size > 1 must do
-so under `if __name__ == "__main__":`, as with any multiprocessing program.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
-import signal
-import sys
 import tempfile
 import threading
-import traceback
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from batchgen.config import EngineConfig
-from batchgen.forward.parallel import TensorParallel, connect
+from batchgen.executor.processes import (
+    EXIT_FAILED, EXIT_PARENT_GONE, EXIT_STOPPED, ChildGroup, exit_now, report_failure, watch_parent,
+)
 from batchgen.executor.step_inputs import StepInputs
+from batchgen.forward.parallel import TensorParallel, connect
 
-EXIT_STOPPED, EXIT_FAILED, EXIT_PARENT_GONE = 0, 1, 3
 STOP = b""  # the step message that ends a worker
 FAILURE_GRACE_S = 3.0  # how long rank 0 waits for a worker's report after one of its collectives failed
-STOP_GRACE_S = 10.0  # how long a worker has to exit before it is killed
 
 
 class TensorParallelError(RuntimeError):
@@ -75,33 +61,17 @@ class TPWorkers:
         store_path = os.path.join(self.tmpdir, "store")
         self.failure: str | None = None
         self._failed = threading.Event()
-        self._ready = threading.Semaphore(0)
-        self._closing = False
-        self._lock = threading.Lock()
         self.tp: TensorParallel | None = None
         self.release_graphs: Callable[..., None] | None = None  # see runner_ready
         self.rank0_polls = False
-        ctx = mp.get_context("spawn")
-        self.procs, self.steps, self.lives = [], [], []
-        for rank in range(1, size):
-            steps_out, steps_in = ctx.Pipe(duplex=False)
-            life_here, life_there = ctx.Pipe()
-            proc = ctx.Process(
-                target=worker_main, name=f"batchgen-tp-rank{rank}", daemon=True,
-                args=(rank, size, store_path, config, str(model_dir), device.type, steps_out, life_there),
-            )
-            proc.start()
-            steps_out.close()  # the worker holds the only other ends: EOF reaches it when we go
-            life_there.close()
-            self.procs.append(proc)
-            self.steps.append(steps_in)
-            self.lives.append(life_here)
-        self._monitor = threading.Thread(target=self._watch, name="batchgen-tp-monitor", daemon=True)
-        self._monitor.start()
+        self.children = ChildGroup(
+            worker_main, [(size, store_path, config, str(model_dir), device.type) for _ in range(1, size)],
+            [f"batchgen-tp-rank{rank}" for rank in range(1, size)], on_failure=self._record,
+        )
+        self.procs, self.steps = self.children.procs, self.children.work
         try:
-            for _ in self.procs:  # every worker up (imports done) before we wait on the store for them
-                while not self._ready.acquire(timeout=0.1):
-                    self.check()
+            self.children.wait_ready(self.check)  # every worker up (imports done) before we wait on the store
+            self.check()
             if device.type == "cuda":
                 torch.cuda.set_device(0)
                 device = torch.device("cuda", 0)
@@ -111,7 +81,7 @@ class TPWorkers:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        return self.children.pids
 
     def runner_ready(self, release_graphs: Callable[..., None] | None) -> None:
         """Rank 0's runner is built. release_graphs frees its CUDA graphs (close() must, before NCCL
@@ -146,72 +116,21 @@ class TPWorkers:
         raise error
 
     # ---- the monitor thread --------------------------------------------------------------------
-    def _record(self, rank: int, reason: str) -> None:
-        with self._lock:
-            if self.failure is not None or self._closing:
-                return
-            self.failure = f"tensor-parallel rank {rank} failed: {reason}"
+    def _record(self, index: int, reason: str) -> None:
+        if self.failure is not None:
+            return
+        self.failure = f"tensor-parallel rank {index + 1} failed: {reason}"
         self._failed.set()
         if self.tp is not None and self.device.type == "cuda" and not self.rank0_polls:
             self.tp.abort(wait_s=0)  # NCCL kernels waiting for the dead rank return instead of hanging
 
-    def _watch(self) -> None:
-        lives = {conn: rank for rank, conn in enumerate(self.lives, start=1)}
-        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs, start=1)}
-        while sentinels:
-            for ready in wait(list(lives) + list(sentinels)):
-                if ready in lives:
-                    rank = lives[ready]
-                    try:
-                        kind, text = ready.recv()
-                    except (EOFError, OSError):
-                        del lives[ready]
-                        continue
-                    if kind == "ready":
-                        self._ready.release()
-                    else:
-                        self._record(rank, text)
-                elif ready in sentinels:
-                    rank, proc = sentinels.pop(ready)
-                    proc.join()
-                    reason = _describe_exit(proc.exitcode)
-                    conn = self.lives[rank - 1]
-                    if conn in lives:  # a failed worker reports before it exits: prefer its words
-                        try:
-                            while conn.poll(1.0 if proc.exitcode == EXIT_FAILED else 0):
-                                kind, text = conn.recv()
-                                if kind == "error":
-                                    reason = text
-                                    break
-                        except (EOFError, OSError):
-                            pass
-                        del lives[conn]
-                    self._record(rank, reason)
-
     # ---- teardown ------------------------------------------------------------------------------
     def close(self, force: bool = False) -> None:
-        """End the workers: idle ones are asked to stop, and any still running after STOP_GRACE_S
+        """End the workers: idle ones are asked to stop, and any still running after a grace period
         (or at once with force, after a failure) are killed. Idempotent."""
-        with self._lock:
-            if self._closing:
-                return
-            self._closing = True
         force = force or self.failure is not None
-        if not force:
-            for conn in self.steps:
-                try:
-                    conn.send_bytes(STOP)
-                except OSError:
-                    pass
-            self._monitor.join(STOP_GRACE_S)  # it reaps every worker as it exits
-        if self._monitor.is_alive():
-            for proc in self.procs:
-                proc.kill()
-        self._monitor.join()
-        for proc in self.procs:
-            proc.join()
-        for conn in self.steps + self.lives:
-            conn.close()
+        if not self.children.close(lambda conn: conn.send_bytes(STOP), force):
+            return
         nccl = self.tp is not None and self.device.type == "cuda"
         if nccl and self.failure is not None:
             self.tp.abort(wait_s=0)  # raises NCCL's flag: kernels waiting for the dead rank return
@@ -224,32 +143,10 @@ class TPWorkers:
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is not None and code < 0:
-        return f"its process was killed by {signal.Signals(-code).name}"
-    if code == EXIT_FAILED:
-        return "it raised an error (see its stderr)"
-    return f"its process exited with code {code}"
-
-
 # ---- a worker process ----------------------------------------------------------------------------
-def _exit_when_parent_goes(life) -> None:
-    try:
-        while True:
-            life.recv()
-    except (EOFError, OSError):
-        pass
-    os._exit(EXIT_PARENT_GONE)
-
-
-def _exit(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no interpreter teardown: process groups and CUDA state die with the process
-
-
-def worker_main(rank, size, store_path, config, model_dir, device_type, steps, life) -> None:
-    threading.Thread(target=_exit_when_parent_goes, args=(life,), daemon=True).start()
+def worker_main(index, size, store_path, config, model_dir, device_type, steps, life) -> None:
+    rank = index + 1
+    watch_parent(life)
     try:
         from batchgen.executor.model_runner import ModelRunner
         from batchgen.models.model_config import load_model_config
@@ -274,13 +171,8 @@ def worker_main(rank, size, store_path, config, model_dir, device_type, steps, l
             inputs = StepInputs.unpack(torch.frombuffer(bytearray(data), dtype=torch.int64))
             tokens = runner.follow(inputs, tokens)
     except EOFError:
-        _exit(EXIT_PARENT_GONE)
+        exit_now(EXIT_PARENT_GONE)
     except BaseException as e:
-        print(f"batchgen tensor-parallel rank {rank}:", file=sys.stderr)
-        traceback.print_exc()
-        try:
-            life.send(("error", f"{type(e).__name__}: {e}"))
-        except OSError:
-            pass
-        _exit(EXIT_FAILED)
-    _exit(EXIT_STOPPED)
+        report_failure(life, f"tensor-parallel rank {rank}", e)
+        exit_now(EXIT_FAILED)
+    exit_now(EXIT_STOPPED)
