@@ -21,6 +21,11 @@ each (user turns of 8-400 words: ~280 prompt tokens a row on average). A CPU smo
 GPU busy is the mean of NVML's utilization samples (the share of time a kernel was running) taken
 every 50 ms during batchgen's run.
 
+W-node is W-offline's lengths over 1,024 requests through --data-parallel-size replicas (each
+--tensor-parallel-size GPUs) against one replica, in the same call: the ratio, each replica's rows,
+tok/s and GPU busy, start-up against one's, and the imbalance at the end (the seconds between the
+first and the last replica going idle).
+
 W-json is W-short's requests (lengths, token-id prompts) with max_tokens 64 and a small JSON schema on
 every row (response_format); it is compared with the same requests unconstrained, each row's
 max_tokens set to what it generated under the schema (rows end when their grammar completes), so
@@ -70,6 +75,7 @@ WORKLOADS = {
     "W-prefix": (2048, (32, 256), (16, 128)),  # + a shared 1,024-token system prompt in front of every row
     "W-n": (256, (100, 1024), (100, 512)),  # n = 8 samples of each prompt
     "W-json": (2048, (32, 256), (64, 64)),
+    "W-node": (1024, (100, 1024), (100, 1024)),  # data parallel: DP=N against DP=1 on the same rows
 }
 # W-json's schema: a label from 5 and a confidence
 JSON_SCHEMA = {"type": "object", "properties": {
@@ -299,6 +305,74 @@ def run_batchgen(model_dir: Path, variants: dict[str, list[dict]], temperature: 
     return best
 
 
+class NodeBusy:
+    """Samples NVML's utilization of every GPU in a thread while the block runs (a replica's GPUs)."""
+
+    def __enter__(self):
+        import threading
+
+        self.samples, self._stop = {}, threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:
+            return self
+        self.samples = {i: [] for i in range(len(handles))}
+
+        def sample():
+            while not self._stop.wait(0.05):
+                for i, h in enumerate(handles):
+                    self.samples[i].append(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+
+        threading.Thread(target=sample, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+    def percent(self, gpus: list[int]) -> float | None:
+        values = [v for g in gpus for v in self.samples.get(g, [])]
+        return round(sum(values) / len(values), 1) if values else None
+
+
+def run_node(model_dir: Path, requests: list[dict], temperature: float, dp: int, tp: int = 1,
+             repeats: int = 1) -> dict:
+    """W-node: the rows through dp replicas of tp GPUs each -> the best run's tok/s, start-up, each
+    replica's rows, tok/s and GPU busy, and the imbalance at the end (first to last replica idle)."""
+    start = time.perf_counter()
+    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp, data_parallel_size=dp)
+    startup = time.perf_counter() - start
+    params = SamplingParams(temperature=temperature, ignore_eos=True)
+    llm.generate_list(requests[: 2 * dp], params)  # every replica's first small job
+    runs = []
+    for _ in range(repeats):
+        with NodeBusy() as busy:
+            start = time.perf_counter()
+            results = llm.generate_list(requests, params)
+            wall = time.perf_counter() - start
+        assert all(r["error"] is None for r in results), [r["error"] for r in results if r["error"]][:3]
+        tokens = sum(r["completion_tokens"] for r in results)
+        replicas = llm.stats.get("replicas") or [{"replica": 0, "rows": len(results), "output_tokens": tokens,
+                                                  "generation_seconds": llm.stats["generation_seconds"],
+                                                  "idle_after_s": llm.stats["generation_seconds"]}]
+        idle = [r["idle_after_s"] for r in replicas if r.get("idle_after_s") is not None]
+        runs.append({"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "startup_s": startup,
+                     "imbalance_s": round(max(idle) - min(idle), 3) if idle else None,
+                     "replicas": [{**r, "tok_s": round(r["output_tokens"] / r["generation_seconds"], 1)
+                                   if r.get("generation_seconds") else None,
+                                   "gpu_busy_pct": busy.percent(list(range(r["replica"] * tp, (r["replica"] + 1) * tp)))}
+                                  for r in replicas]})
+    llm.close()
+    del llm
+    gc.collect()
+    empty_cache()
+    best = max(runs, key=lambda run: run["tok_s"])
+    best["runs_tok_s"] = [round(run["tok_s"], 1) for run in runs]
+    return best
+
+
 def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
     import transformers as tf
 
@@ -354,6 +428,8 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, help="only the first N requests of each workload (smoke checks)")
     ap.add_argument("--repeats", type=int, help="runs of each variant, best counts (default: 2 for W-chat, else 1)")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--data-parallel-size", "-dp", type=int, default=2,
+                    help="W-node: the replicas measured against one (each --tensor-parallel-size GPUs)")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--models-dir", default="/tmp/batchgen-bench-models")
     ap.add_argument("--no-warm-up", dest="warm_up", action="store_false",
@@ -373,6 +449,24 @@ def main(argv=None):
             requests = make_requests(workload, MODELS[name][1]["vocab_size"])[: args.requests]
             line = {"workload": workload, "model": name, "gpu": gpu, "tp": args.tensor_parallel_size,
                     "torch": torch.__version__, "requests": len(requests), "temperature": args.temperature}
+            if workload == "W-node":
+                one = run_node(model_dir, requests, args.temperature, 1, args.tensor_parallel_size,
+                               args.repeats or 1)
+                many = run_node(model_dir, requests, args.temperature, args.data_parallel_size,
+                                args.tensor_parallel_size, args.repeats or 1)
+                line.update({"dp": args.data_parallel_size, "batchgen_tok_s": round(many["tok_s"], 1),
+                             "runs_tok_s": many["runs_tok_s"], "dp1_tok_s": round(one["tok_s"], 1),
+                             "dp1_runs_tok_s": one["runs_tok_s"], "ratio_vs_dp1": round(many["tok_s"] / one["tok_s"], 3),
+                             "startup_s": round(many["startup_s"], 2), "dp1_startup_s": round(one["startup_s"], 2),
+                             "startup_ratio": round(many["startup_s"] / one["startup_s"], 3),
+                             "imbalance_s": many["imbalance_s"], "replicas": many["replicas"],
+                             "dp1_gpu_busy_pct": one["replicas"][0]["gpu_busy_pct"]})
+                print(json.dumps(line), flush=True)
+                lines.append(line)
+                if args.json_out:
+                    with open(args.json_out, "a") as f:
+                        f.write(json.dumps(line) + "\n")
+                continue
             if workload == "W-chat":
                 chat_dir = with_chat_tokenizer(model_dir)
                 ids = as_token_ids(requests, chat_dir)

@@ -113,6 +113,7 @@ class _Replica:
     outbox: list = dataclasses.field(default_factory=list)
     stats: dict = dataclasses.field(default_factory=dict)
     results: int = 0
+    last_result: float | None = None  # time.monotonic() of its last result in this job
 
 
 class ReplicaPool:
@@ -171,7 +172,7 @@ class ReplicaPool:
         redo: list[tuple[int, _Dealt]] = []  # rows of replicas that died, to deal again
         first_row = last_result = None
         for replica in self.replicas:
-            replica.stats, replica.results = {}, 0
+            replica.stats, replica.results, replica.last_result = {}, 0, None
         try:
             while True:
                 yield from self._bury_the_dead(redo)
@@ -223,6 +224,8 @@ class ReplicaPool:
                 "generation_seconds": seconds, "prompt_tokens": prompt, "output_tokens": output,
                 "replicas": [{"replica": r.index, "rows": r.results, "output_tokens": r.stats.get("output_tokens", 0),
                               "generation_seconds": r.stats.get("generation_seconds", 0.0),
+                              # from the job's first row to this replica's last result: when it went idle
+                              "idle_after_s": (r.last_result - first_row) if r.last_result and first_row else None,
                               "failed": r.state == "dead"} for r in self.replicas],
             }
 
@@ -289,6 +292,7 @@ class ReplicaPool:
     def _given(self, replica: _Replica, result: dict) -> dict:
         number = result.pop(REPLICA_KEY, None)
         replica.results += 1
+        replica.last_result = time.monotonic()
         dealt = replica.rows.get(number)
         if dealt is not None:
             dealt.given.add(result.get("sample_index") or 0)
