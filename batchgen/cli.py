@@ -167,6 +167,9 @@ ENGINE_OPTIONS = (
     _option("device", Device, Device.auto, panel=ENGINE, help="auto: CUDA if available, else CPU."),
     _option("tensor_parallel_size", int, 1, "-tp", "--tensor-parallel-size", panel=ENGINE,
             help="GPUs to split the model over."),
+    _option("data_parallel_size", str, "1", "-dp", "--data-parallel-size", panel=ENGINE, metavar="N|auto",
+            help="Engine replicas, each on its own GPU (or its own --tensor-parallel-size GPUs), fed from one "
+                 "input into one output; auto: every visible GPU. On a CPU the replicas share the cores."),
     _option("max_num_seqs", int, 256, panel=ENGINE, help="Most sequences in one batch."),
     _option("max_num_batched_tokens", Optional[int], None, panel=ENGINE,
             help="Token budget of one step (prefill chunks + decodes). Default: chosen by the engine."),
@@ -260,6 +263,16 @@ class _EngineSetup:
             raise _BadSetting(message) from None
 
 
+def _data_parallel_size(value: str) -> int | str:
+    text = value.strip().lower()
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise _UsageError(f"invalid --data-parallel-size: {value!r}; give a number >= 1 or auto") from None
+
+
 def _engine_setup(options: dict) -> _EngineSetup:
     """The engine and sampling options, checked (a bad value is a usage error); the sampling
     defaults resolved: an option given, else the model's generation_config.json, else built-in."""
@@ -269,6 +282,7 @@ def _engine_setup(options: dict) -> _EngineSetup:
     o = options
     engine_options = dict(
         dtype=o["dtype"].value, device=o["device"].value, tensor_parallel_size=o["tensor_parallel_size"],
+        data_parallel_size=_data_parallel_size(o["data_parallel_size"]),
         max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
         gpu_memory_utilization=o["gpu_memory_utilization"], max_model_len=o["max_model_len"],
         kv_cache_tokens=o["kv_cache_tokens"], kv_cache_dtype=o["kv_cache_dtype"].value, seed=o["seed"],

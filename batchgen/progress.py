@@ -156,6 +156,11 @@ def summary_lines(meta: dict, output: str) -> list[str]:
         f"({gen_s:.1f}s generating, {meta.get('wall_seconds', 0.0):.1f}s wall)",
         f"latency: e2e {seconds(meta.get('e2e_s'))}; TTFT {seconds(meta.get('ttft_s'))}",
     ]
+    for replica in meta.get("replicas") or []:
+        seconds_generating = replica.get("generation_seconds") or 0.0
+        rate = f", {replica['output_tokens'] / seconds_generating:,.1f} output tok/s" if seconds_generating else ""
+        failed = " (failed during the run: its rows went to the others)" if replica.get("failed") else ""
+        lines.append(f"replica {replica['replica']}: {replica['rows']} rows{rate}{failed}")
     if meta.get("sampling_defaults"):
         lines.append(sampling_defaults_line(meta["sampling_defaults"], meta.get("sampling_defaults_from") or {}))
     return lines

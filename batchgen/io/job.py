@@ -225,6 +225,8 @@ def run_job(
                 e2e_s=totals.percentiles("e2e_s"),
                 ttft_s=totals.percentiles("ttft_s"),
             )
+            if stats.get("replicas"):  # data parallel: each replica's share of this run
+                meta["replicas"] = stats["replicas"]
             result.metadata = meta
             return meta
 

@@ -1,0 +1,132 @@
+"""`batchgen run --data-parallel-size 2` on CPU (two replica processes sharing the cores): one input read
+once into one output, the rows of one replica's run; SIGTERM, SIGKILL of the parent or of a replica,
+and --shard keep run's guarantees (every row exactly once, the same texts); bad values are usage errors."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.test_cli_run import (
+    JOB_OPTIONS, JOB_ROWS, REPO, batchgen, command, environment, read, texts, wait_for_parts, write_jsonl,
+)
+
+pytestmark = pytest.mark.slow
+DP = ["--data-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The shared job's input and its output with one engine."""
+    tmp = tmp_path_factory.mktemp("dp-job")
+    src = write_jsonl(tmp / "job.jsonl", [*JOB_ROWS, {"id": "bad", "prompt": 7}])
+    done = batchgen("run", src, tmp / "whole.parquet", *JOB_OPTIONS)
+    assert done.returncode == 0, done.stderr
+    rows, _ = read(tmp / "whole.parquet")
+    return src, rows
+
+
+def test_two_replicas_write_one_output_with_one_engines_rows(job, tmp_path):
+    src, whole = job
+    out = tmp_path / "out.parquet"
+    done = batchgen("run", src, out, *JOB_OPTIONS, *DP)
+    assert done.returncode == 0, done.stderr
+    rows, meta = read(out)
+    assert texts(rows) == texts(whole) and len(rows) == len(whole)
+    assert {r["id"]: r["error"] for r in rows}["bad"] == "prompt must be a string, got int"
+    assert meta["data_parallel_size"] == 2
+    assert [r["replica"] for r in meta["replicas"]] == [0, 1]
+    assert sum(r["rows"] for r in meta["replicas"]) == len(rows) - 1  # (the bad row never reached a replica)
+    assert "replica 0: " in done.stdout and "replica 1: " in done.stdout
+
+
+def test_sigterm_exits_75_and_the_rerun_completes_exactly_once(job, tmp_path):
+    src, whole = job
+    out = tmp_path / "out.parquet"
+    process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS, *DP), env=environment(), cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_parts(process, tmp_path / "out.parquet.partial")
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 75, stderr
+    done = batchgen("run", src, out, *JOB_OPTIONS, *DP)
+    assert done.returncode == 0, done.stderr
+    rows, meta = read(out)
+    assert meta["rows_resumed"] > 0 and texts(rows) == texts(whole) and len(rows) == len(whole)
+
+
+def _children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killed_parent_leaves_no_replica_and_the_rerun_completes(job, tmp_path):
+    src, whole = job
+    out = tmp_path / "out.parquet"
+    process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS, *DP), env=environment(), cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_parts(process, tmp_path / "out.parquet.partial")
+    replicas = [p for p in _children_of(process.pid) if _alive(p)]
+    assert len(replicas) >= 2
+    process.kill()
+    process.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in replicas) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in replicas), "a replica outlived its killed parent"
+    done = batchgen("run", src, out, *JOB_OPTIONS, *DP)
+    assert done.returncode == 0, done.stderr
+    rows, _ = read(out)
+    assert texts(rows) == texts(whole) and len(rows) == len(whole)
+
+
+def test_a_killed_replica_loses_no_row(job, tmp_path):
+    src, whole = job
+    out = tmp_path / "out.parquet"
+    process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS, *DP), env=environment(), cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_parts(process, tmp_path / "out.parquet.partial")
+    replicas = sorted(p for p in _children_of(process.pid) if _alive(p))
+    os.kill(replicas[-1], signal.SIGKILL)
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr
+    rows, meta = read(out)
+    assert texts(rows) == texts(whole) and len(rows) == len(whole)
+    assert sum(r["failed"] for r in meta["replicas"]) == 1 and "failed during the run" in stdout
+
+
+def test_a_shard_combines_with_replicas(job, tmp_path):
+    src, whole = job
+    out = tmp_path / "shard-1.parquet"
+    done = batchgen("run", src, out, *JOB_OPTIONS, *DP, "--shard", "1/2")
+    assert done.returncode == 0, done.stderr
+    rows, meta = read(out)
+    assert meta["shard"] == "1/2" and len(rows) == len(whole[1::2])
+    ids = {r["id"] for r in rows}
+    assert texts(rows) == {k: v for k, v in texts(whole).items() if k in ids}
+
+
+@pytest.mark.parametrize("value", ["0", "x", "-1"])
+def test_a_bad_data_parallel_size_is_a_usage_error(tmp_path, value):
+    src = write_jsonl(tmp_path / "in.jsonl", JOB_ROWS[:1])
+    done = batchgen("run", src, tmp_path / "out.parquet", "--data-parallel-size", value)
+    assert done.returncode == 2, done.stderr
+    assert "invalid --data-parallel-size" in done.stderr and "give a number >= 1 or auto" in done.stderr
