@@ -3,6 +3,7 @@ once into one output, the rows of one replica's run; SIGTERM, SIGKILL of the par
 and --shard keep run's guarantees (every row exactly once, the same texts); bad values are usage errors."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -130,3 +131,33 @@ def test_a_bad_data_parallel_size_is_a_usage_error(tmp_path, value):
     done = batchgen("run", src, tmp_path / "out.parquet", "--data-parallel-size", value)
     assert done.returncode == 2, done.stderr
     assert "invalid --data-parallel-size" in done.stderr and "give a number >= 1 or auto" in done.stderr
+
+
+def test_a_worker_with_two_replicas_serves_the_queue(tmp_path_factory, tmp_path, batchgen):
+    """`batchgen worker -dp 2`: the queue's results equal `batchgen run`'s, each exactly once, and SIGTERM
+    stops the worker and its replicas cleanly."""
+    import pyarrow.parquet as pq
+
+    from tests.redis_server import start_server
+    from tests.test_worker import OPTIONS, ROWS, WorkerProcess, submit_and_collect, texts as queue_texts
+
+    src = write_jsonl(tmp_path / "job.jsonl", ROWS)
+    done = subprocess.run(command("run", src, tmp_path / "run.parquet", *OPTIONS), capture_output=True,
+                          text=True, env=environment(), cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr
+    reference = pq.read_table(tmp_path / "run.parquet")
+    server = start_server(tmp_path_factory)
+    try:
+        worker = WorkerProcess(tmp_path, server.url(), "dp", "dp", *DP)
+        try:
+            worker.wait_event("serving")
+            table = submit_and_collect(batchgen, server.url(), "dp", src, tmp_path / "out.parquet")
+            assert queue_texts(table) == queue_texts(reference)
+            assert json.loads(table.schema.metadata[b"batchgen"])["rows"] == len(reference)
+            replicas = [p for p in _children_of(worker.process.pid) if _alive(p)]
+            assert worker.stop() == 0, worker.log_path.read_text()[-3000:]
+            assert not any(_alive(p) for p in replicas)
+        finally:
+            worker.kill()
+    finally:
+        server.stop()
