@@ -1,14 +1,9 @@
 """Tokenizing ahead of the engine loop and detokenizing behind it, in worker threads.
 
-Threads, not processes, measured on the 2-core dev machine with SmolLM2's tokenizer and chat rows of
-~134 tokens: a row costs ~20 us of chat template (Jinja: Python, holds the GIL) and ~155 us of BPE
-encoding, which a fast tokenizer's batch call runs in Rust with the GIL released (on every core). So a
-thread takes ~85% of the work off the loop: a mock step loop (3 ms of device wait + 1 ms of Python per
-step, 100 steps) took 0.40 s alone, 0.78 s with 2,048 chat rows tokenized inside it, and 0.42-0.53 s with
-them tokenized in a thread beside it. A process pool took 0.69-0.71 s (the loop's thread unpickles every
-row's ids) after 5.7 s to start (spawn, import transformers, load the tokenizer), and each process
-would need its own copy of a tokenizer that may not be reloadable (one passed in memory). A GPU host's
-16 cores make the Rust part of a batch faster still; the Python part stays one core's work either way.
+Threads, not processes: a fast tokenizer encodes a batch in Rust with the GIL released, so a thread
+takes most of the work off the loop (the chat template's Jinja, pure Python, stays one core's work); a
+process pool starts slowly, makes the loop's thread unpickle every row's ids, and needs a tokenizer it
+can reload.
 """
 from __future__ import annotations
 

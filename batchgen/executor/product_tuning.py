@@ -4,9 +4,7 @@ row count a step graph or decode graph has there, cuBLAS or the fastest candidat
 GPU runs faster.
 
 Why timing and not a rule: at these rows neither wins everywhere, and cuBLAS's own choice is uneven
-(llama-3.2-1b's down projection on an H200: cuBLAS 22.6 us at 192 rows and 19.5 at 256, the tile
-kernel 18.3 and 19.0; gate/up + SiLU-and-mul cuBLAS 26.3 / 32.3, the tile 27.3 / 30.6; KERNELS.md,
-session 24). Those decode steps are most of W-offline's.
+from one row count to the next; those decode steps are most of a long job's.
 
 How: one eager forward of the smallest such row count records which products ask the tile kernel
 (tile_gemm.recording_products), with every layer's weight of each shape. For each shape, row count
