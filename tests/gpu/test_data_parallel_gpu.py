@@ -1,5 +1,7 @@
 """On two or more GPUs: data-parallel replicas each take their own GPU and give one engine's greedy
 tokens (tiny random models; fp32 so that batch differences cannot round a near-tie differently)."""
+import gc
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ def test_two_replicas_use_two_gpus_and_give_one_engines_tokens(tiny_model, kind)
     want = {r["id"]: r["output_token_ids"] for r in one.generate_list(rows, greedy)}
     one.close()
     del one
+    gc.collect()
     torch.cuda.empty_cache()
     free_before = [torch.cuda.mem_get_info(i)[0] for i in range(2)]
     two = LLM(str(tiny_model(kind)), dtype="float32", max_num_seqs=8, data_parallel_size=2,
