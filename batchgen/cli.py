@@ -522,8 +522,17 @@ def _queue(options: dict, job: Optional[str] = None):
 
 
 def _redis_failure(error: Exception, options: dict, what: str) -> typer.Exit:
-    from batchgen.queue import redact
+    """One line for a failed Redis call; `what`: the advice (rerun, ...) unless the server refused
+    the credentials, where a rerun cannot help and the fix is in --redis-url or the server's ACL."""
+    import redis
 
+    from batchgen.queue import redact
+    from batchgen.queue.protocol import FATAL
+
+    if isinstance(error, redis.AuthenticationError):  # wrong password, or none where one is needed
+        what = "check the user and password in --redis-url (or BATCHGEN_REDIS_URL)"
+    elif isinstance(error, FATAL):
+        what = f"give the Redis user access to the keys {options['prefix']}:* and the stream commands (ACL)"
     return _fail(f"redis at {redact(options['redis_url'])}: {type(error).__name__}: {error}; {what}")
 
 
@@ -618,7 +627,6 @@ def worker(
     from batchgen.logs import setup_logging
     from batchgen.queue import Worker, WorkerConfig, redact
     from batchgen.queue.metrics import WorkerMetrics
-    from batchgen.queue.protocol import FATAL
 
     setup = _engine_setup(options)
     keys, client = _queue(options)
@@ -667,8 +675,6 @@ def worker(
         log.info("stopped before taking any request")
     except _BadSetting as e:
         raise _fail(str(e), EXIT_USAGE) from None
-    except FATAL as e:
-        raise _redis_failure(e, options, "check the user and password of --redis-url") from None
     except redis.RedisError as e:
         raise _redis_failure(e, options, "stopping") from None
     except Exception as e:
