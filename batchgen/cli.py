@@ -119,6 +119,14 @@ def _fail(message: str, code: int = EXIT_FAILURE) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _unexpected(error: Exception) -> typer.Exit:
+    """A failure no command foresaw (a bug, or the machine ran out of something): one line, as every
+    other error; the traceback with BATCHGEN_DEBUG=1."""
+    if os.environ.get("BATCHGEN_DEBUG"):
+        raise error
+    return _fail(f"{type(error).__name__}: {error} (set BATCHGEN_DEBUG=1 for the traceback)")
+
+
 class _Signals:
     """SIGTERM/SIGINT: while the engine generates, the first one sets `stop_event` (the engine stops
     within a step, finished rows are saved, exit 75); at any other time, or the second time, it
@@ -467,10 +475,8 @@ def run(
         print(f"batchgen: interrupted; finished rows are kept in {output}.partial/: "
               f"rerun the same command to resume", file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    except Exception as e:  # a bug, or the machine ran out of something: one line, traceback on request
-        if os.environ.get("BATCHGEN_DEBUG"):
-            raise
-        raise _fail(f"{type(e).__name__}: {e} (set BATCHGEN_DEBUG=1 for the traceback)") from None
+    except Exception as e:
+        raise _unexpected(e) from None
 
     if result.status == "interrupted":
         console.print(f"interrupted: {result.rows_this_run} rows finished in this run and kept "
@@ -577,6 +583,8 @@ def submit(
         raise _fail(str(e)) from None
     except redis.RedisError as e:
         raise _redis_failure(e, options, "rerun submit: it continues where it stopped") from None
+    except Exception as e:
+        raise _unexpected(e) from None
     where = f"{keys.requests} at {redact(options['redis_url'])}"
     if result.rows == 0:
         print(f"job {job}: {input} has no rows; nothing to add")
@@ -678,9 +686,7 @@ def worker(
     except redis.RedisError as e:
         raise _redis_failure(e, options, "stopping") from None
     except Exception as e:
-        if os.environ.get("BATCHGEN_DEBUG"):
-            raise
-        raise _fail(f"{type(e).__name__}: {e} (set BATCHGEN_DEBUG=1 for the traceback)") from None
+        raise _unexpected(e) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -741,6 +747,8 @@ def collect(
     except KeyboardInterrupt:
         print("batchgen: interrupted; nothing written (the results stay in Redis: rerun collect)", file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Exception as e:
+        raise _unexpected(e) from None
     meta = result.metadata
     extra = f", {result.extra} extra (messages no submitted row made)" if result.extra else ""
     print(f"done: {meta['rows']} rows ({meta['rows_ok']} ok, {meta['rows_error']} errors{extra}) -> {output}")
