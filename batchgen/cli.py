@@ -119,6 +119,14 @@ def _fail(message: str, code: int = EXIT_FAILURE) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _unexpected(error: Exception) -> typer.Exit:
+    """A failure no command foresaw (a bug, or the machine ran out of something): one line, as every
+    other error; the traceback with BATCHGEN_DEBUG=1."""
+    if os.environ.get("BATCHGEN_DEBUG"):
+        raise error
+    return _fail(f"{type(error).__name__}: {error} (set BATCHGEN_DEBUG=1 for the traceback)")
+
+
 class _Signals:
     """SIGTERM/SIGINT: while the engine generates, the first one sets `stop_event` (the engine stops
     within a step, finished rows are saved, exit 75); at any other time, or the second time, it
@@ -481,10 +489,8 @@ def run(
         print(f"batchgen: interrupted; finished rows are kept in {output}.partial/: "
               f"rerun the same command to resume", file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    except Exception as e:  # a bug, or the machine ran out of something: one line, traceback on request
-        if os.environ.get("BATCHGEN_DEBUG"):
-            raise
-        raise _fail(f"{type(e).__name__}: {e} (set BATCHGEN_DEBUG=1 for the traceback)") from None
+    except Exception as e:
+        raise _unexpected(e) from None
 
     if result.status == "interrupted":
         console.print(f"interrupted: {result.rows_this_run} rows finished in this run and kept "
@@ -536,8 +542,17 @@ def _queue(options: dict, job: Optional[str] = None):
 
 
 def _redis_failure(error: Exception, options: dict, what: str) -> typer.Exit:
-    from batchgen.queue import redact
+    """One line for a failed Redis call; `what`: the advice (rerun, ...) unless the server refused
+    the credentials, where a rerun cannot help and the fix is in --redis-url or the server's ACL."""
+    import redis
 
+    from batchgen.queue import redact
+    from batchgen.queue.protocol import FATAL
+
+    if isinstance(error, redis.AuthenticationError):  # wrong password, or none where one is needed
+        what = "check the user and password in --redis-url (or BATCHGEN_REDIS_URL)"
+    elif isinstance(error, FATAL):
+        what = f"give the Redis user access to the keys {options['prefix']}:* and the stream commands (ACL)"
     return _fail(f"redis at {redact(options['redis_url'])}: {type(error).__name__}: {error}; {what}")
 
 
@@ -582,6 +597,8 @@ def submit(
         raise _fail(str(e)) from None
     except redis.RedisError as e:
         raise _redis_failure(e, options, "rerun submit: it continues where it stopped") from None
+    except Exception as e:
+        raise _unexpected(e) from None
     where = f"{keys.requests} at {redact(options['redis_url'])}"
     if result.rows == 0:
         print(f"job {job}: {input} has no rows; nothing to add")
@@ -632,7 +649,6 @@ def worker(
     from batchgen.logs import setup_logging
     from batchgen.queue import Worker, WorkerConfig, redact
     from batchgen.queue.metrics import WorkerMetrics
-    from batchgen.queue.protocol import FATAL
 
     setup = _engine_setup(options)
     keys, client = _queue(options)
@@ -681,14 +697,10 @@ def worker(
         log.info("stopped before taking any request")
     except _BadSetting as e:
         raise _fail(str(e), EXIT_USAGE) from None
-    except FATAL as e:
-        raise _redis_failure(e, options, "check the user and password of --redis-url") from None
     except redis.RedisError as e:
         raise _redis_failure(e, options, "stopping") from None
     except Exception as e:
-        if os.environ.get("BATCHGEN_DEBUG"):
-            raise
-        raise _fail(f"{type(e).__name__}: {e} (set BATCHGEN_DEBUG=1 for the traceback)") from None
+        raise _unexpected(e) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -749,6 +761,8 @@ def collect(
     except KeyboardInterrupt:
         print("batchgen: interrupted; nothing written (the results stay in Redis: rerun collect)", file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Exception as e:
+        raise _unexpected(e) from None
     meta = result.metadata
     extra = f", {result.extra} extra (messages no submitted row made)" if result.extra else ""
     print(f"done: {meta['rows']} rows ({meta['rows_ok']} ok, {meta['rows_error']} errors{extra}) -> {output}")

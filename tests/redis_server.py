@@ -1,6 +1,7 @@
 """A private redis-server for the queue tests: its own temporary directory, a free port (never a fixed
-one), append-only persistence (so a restart loses nothing), a password user for URL tests; stopped
-at the end. Tests are skipped where redis-server is not installed (`.ci/run` installs it)."""
+one) and a unix socket, append-only persistence (so a restart loses nothing), a password user for URL
+tests, optionally passwords for the default user (as requirepass); stopped at the end. Tests are
+skipped where redis-server is not installed (`.ci/run` installs it)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -24,9 +26,11 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, tls: dict | None = None) -> None:
+    def __init__(self, workdir: Path, tls: dict | None = None, passwords: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
         self.tls = tls  # {"cert": ..., "key": ..., "ca": ...}: serve TLS only
+        self.passwords = passwords  # the default user's (any one of them is accepted); none: no password
+        self.socket = workdir / "redis.sock"
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
 
@@ -41,11 +45,13 @@ class RedisServer:
                           "--tls-key-file", self.tls["key"], "--tls-ca-cert-file", self.tls["ca"],
                           "--tls-auth-clients", "no"]
             self.port = port
+            default_user = ["--user", "default", "on", *(f">{p}" for p in self.passwords), "~*", "&*", "+@all"]
             self.process = subprocess.Popen(
                 ["redis-server", *listen, "--bind", "127.0.0.1", "--dir", str(self.workdir), "--save", "",
                  "--appendonly", "yes", "--appendfsync", "always", "--loglevel", "warning",
                  "--logfile", str(self.workdir / "redis.log"),
-                 "--user", USER, "on", f">{PASSWORD}", "~*", "&*", "+@all"],
+                 "--unixsocket", str(self.socket), "--unixsocketperm", "700",
+                 "--user", USER, "on", f">{PASSWORD}", "~*", "&*", "+@all", *(default_user if self.passwords else [])],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
             if self._wait_ready():
@@ -78,8 +84,9 @@ class RedisServer:
         self.start()
 
     def url(self, user: str | None = None, password: str | None = None) -> str:
+        """A URL for `user`; without one, the default user (with its first password, if it has one)."""
         scheme = "rediss" if self.tls else "redis"
-        auth = f"{user}:{password}@" if user else ""
+        auth = f"{user}:{password}@" if user else f":{quote(self.passwords[0], safe='')}@" if self.passwords else ""
         return f"{scheme}://{auth}127.0.0.1:{self.port}/0"
 
     def client_options(self) -> dict:

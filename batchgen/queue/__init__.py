@@ -1,9 +1,11 @@
 """Many workers on one Redis: `submit` puts a file's rows on a request stream, `worker`s generate
 and answer on each job's result stream, `collect` writes a job's results as `batchgen run` would.
-protocol.py names the keys and fields."""
+protocol.py names the keys and fields;
+redis_url.py checks the Redis URL and hides its password."""
 
 from batchgen.queue.collect import CollectResult, CollectTimeout, collect_job
-from batchgen.queue.protocol import Keys, check_job_name, connect, redact
+from batchgen.queue.protocol import Keys, check_job_name
+from batchgen.queue.redis_url import connect, redact
 from batchgen.queue.submit import SubmitError, SubmitResult, submit_job
 from batchgen.queue.worker import Worker, WorkerConfig
 

@@ -84,14 +84,19 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
     info = {text(k): text(v) for k, v in call(client.hgetall, keys.job(job)).items()}
     if not info:
         raise JobError(f"no job {job!r} under prefix {keys.prefix!r}: submit it first (or check --prefix)")
-    rows = int(info["rows"])
-    schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(info["schema"]))) if info.get("schema") else None
+    rows, schema = _job_rows(info, keys.job(job)), _job_schema(info, keys.job(job))
     layout = Layout(schema)
     result = CollectResult(rows)
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.collect-", dir=output.parent) as tmp:
-        writer = PartWriter(Path(tmp), layout, flush_rows=1000, flush_seconds=float("inf"))
-        done = np.zeros(rows, dtype=bool)
+        writer = _CheckedWriter(PartWriter(Path(tmp), layout, flush_rows=1000, flush_seconds=float("inf")),
+                                keys.results(job))
+        try:
+            done = np.zeros(rows, dtype=bool)
+        except MemoryError:
+            raise JobError(f"field rows of {keys.job(job)} is {rows}: more rows than this machine can track; "
+                           f"the job's hash was not written by batchgen submit (resubmit under a new --job name)"
+                           ) from None
         partial: dict[int, set] = {}  # rows of several samples with some of their results: sample indices seen
         have = 0
         extra_keys: set[str] = set()
@@ -123,12 +128,12 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
                         log.warning("result %s of job %s is not a JSON object; skipped", last_id, job)
                         continue
                     index = fields.get("index")
-                    if index is not None and index.isdigit() and int(index) < rows:
+                    if index is not None and index.isdecimal() and int(index) < rows:
                         index = int(index)
                         if done[index]:
                             result.duplicates += 1
                             continue
-                        samples = int(fields["samples"]) if (fields.get("samples") or "").isdigit() else 1
+                        samples = int(fields["samples"]) if (fields.get("samples") or "").isdecimal() else 1
                         sample = row.get("sample_index")
                         if isinstance(sample, bool) or not isinstance(sample, int) or not 0 <= sample < MAX_N:
                             sample = row["sample_index"] = 0  # (another producer's result)
@@ -152,12 +157,12 @@ def collect_job(client: redis.Redis, keys: Keys, job: str, output: Path, timeout
                         result.extra += 1
                     if row.get("output_token_ids") is None:
                         row["output_token_ids"] = []
-                    writer.add(row)
+                    writer.add(last_id, row)
         writer.flush()
 
         workers = {text(k): _json_object(text(v)) for k, v in call(client.hgetall, keys.workers(job)).items()}
-        last_ms = int(last_id.split("-")[0])
-        job_seconds = max(0.0, last_ms / 1000 - float(info.get("created") or last_ms / 1000))
+        last_s = int(last_id.split("-")[0]) / 1000
+        job_seconds = max(0.0, last_s - _number(info.get("created"), last_s))
 
         def metadata(totals: Totals) -> dict:
             meta = _common(list(workers.values()))
@@ -200,3 +205,91 @@ def _json_object(value: str) -> dict:
     except ValueError:
         return {}
     return data if isinstance(data, dict) else {}
+
+
+class _CheckedWriter:
+    """The part writer, fed only rows it can write: a result entry whose fields have the wrong types
+    (another producer's, or a worker of another version) becomes an error row naming the entry and
+    the field, instead of failing the whole file when its part is written."""
+
+    def __init__(self, writer: PartWriter, stream: str) -> None:
+        self.writer, self.stream = writer, stream
+        self._pending: list[tuple[str, dict]] = []  # (entry id, row)
+
+    def add(self, entry: str, row: dict) -> None:
+        """`row`, from the result entry of id `entry`."""
+        self._pending.append((entry, row))
+        if len(self._pending) >= self.writer.flush_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        rows = [row for _, row in self._pending]
+        try:
+            self.writer.layout.part_table(rows)  # the same conversion as the writer's: all fine, the usual case
+        except _CONVERSION_ERRORS:
+            rows = [self._writable(entry, row) for entry, row in self._pending]
+        for row in rows:
+            self.writer.add(row)
+        self.writer.flush()
+        self._pending.clear()
+
+    def _writable(self, entry: str, row: dict) -> dict:
+        layout = self.writer.layout
+        try:
+            layout.part_table([row])
+            return row
+        except _CONVERSION_ERRORS as e:
+            problem = _one_line(e)
+        for key, value in row.items():  # name the first field that cannot be written alone
+            try:
+                layout.part_table([{ROW_KEY: row[ROW_KEY], key: value}])
+            except _CONVERSION_ERRORS as e:
+                problem = f"field {key!r}: {_one_line(e)}"
+                break
+        log.warning("result entry %s of %s is malformed (%s); its row becomes an error row", entry, self.stream,
+                    problem)
+        error = {ROW_KEY: row[ROW_KEY], "output_token_ids": [], "finish_reason": "error",
+                 "error": f"result entry {entry} of {self.stream} could not be written: {problem}"}
+        for key in ("id", "sample_index"):  # kept where they can be
+            try:
+                layout.part_table([{ROW_KEY: row[ROW_KEY], key: row.get(key)}])
+                error[key] = row.get(key)
+            except _CONVERSION_ERRORS:
+                pass
+        return error
+
+
+# What pyarrow raises for a value of the wrong type or range (ArrowTypeError is a TypeError,
+# ArrowInvalid a ValueError).
+_CONVERSION_ERRORS = (TypeError, ValueError, OverflowError, pa.ArrowException)
+
+
+def _job_rows(info: dict, key: str) -> int:
+    value = info.get("rows")
+    if value is None or not value.isdecimal():
+        raise JobError(f"field rows of {key} is {value!r}, not a row count: the job's hash was not written by "
+                       f"batchgen submit (resubmit under a new --job name)")
+    return int(value)
+
+
+def _job_schema(info: dict, key: str) -> pa.Schema | None:
+    """The input's Arrow schema (a Parquet input), as submit stored it."""
+    if not info.get("schema"):
+        return None
+    try:
+        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(info["schema"], validate=True)))
+    except (ValueError, pa.ArrowException) as e:  # binascii.Error is a ValueError
+        raise JobError(f"field schema of {key} is not an Arrow schema ({type(e).__name__}: {e}): the job's hash "
+                       f"was not written by batchgen submit (resubmit under a new --job name)") from None
+
+
+def _one_line(error: Exception, limit: int = 200) -> str:
+    message = " ".join(str(error).split())
+    return message if len(message) <= limit else message[:limit] + "..."
+
+
+def _number(value: str | None, default: float) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default

@@ -1,5 +1,5 @@
 """The Redis queue protocol shared by `submit`, `worker` and `collect`: key names, message fields,
-the connection, and the server-side scripts that make a result and its acknowledgement one step.
+and the server-side scripts that make a result and its acknowledgement one step.
 
 Keys, all under a prefix (default ``batchgen``):
 
@@ -20,7 +20,6 @@ import re
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -68,24 +67,6 @@ def check_job_name(name: str) -> str:
     if not NAME_PATTERN.fullmatch(name):
         raise ValueError(f"invalid job name {name!r}: use up to 200 letters, digits and . _ @ + = - (no ':')")
     return name
-
-
-def connect(url: str) -> redis.Redis:
-    """A client for `url` (redis://[user:password@]host[:port][/db], rediss:// for TLS, unix://path).
-    Replies stay bytes: a field that is not UTF-8 is one malformed message, not a failed read."""
-    return redis.Redis.from_url(url, socket_timeout=15, socket_connect_timeout=5, health_check_interval=15)
-
-
-def redact(url: str) -> str:
-    """`url` without its password, for logs and messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def ensure_group(client: redis.Redis, keys: Keys) -> None:
