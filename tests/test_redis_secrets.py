@@ -215,3 +215,12 @@ def test_the_worker_with_a_wrong_password_says_what_to_fix(server, prefix, tmp_p
     code, out, err = run_worker(forms_of(server, WRONG)["?password"], tiny_model("llama"), tmp_path, prefix, None)
     assert code == 1 and "check the user and password" in err and "rerun" not in err, err[-3000:]
     assert_no_secret(out, err)
+
+
+def test_an_index_of_other_digits_is_a_malformed_message_not_a_crash():
+    """"²" and "٣" are digits to str.isdigit but not to int(): the message is refused, with its reason."""
+    from batchgen.queue.protocol import decode_request
+
+    for index in ("²", "٣", "-1", "1.5"):
+        message = decode_request(b"1-1", {b"job": b"j", b"index": index.encode(), b"request": b'{"prompt": "x"}'})
+        assert message.error == f"index field {index!r} is not a non-negative integer", message.error

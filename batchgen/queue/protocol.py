@@ -143,7 +143,7 @@ def decode_request(msg_id: bytes | str, raw: dict) -> Message:
         return bad("no job field" if job is None else f"job field {job!r} is not a job name")
     index = None
     if fields.get("index") is not None:
-        if not fields["index"].isdigit():
+        if not (fields["index"].isascii() and fields["index"].isdigit()):  # (isdigit alone takes "²")
             return bad(f"index field {fields['index']!r} is not a non-negative integer", job)
         index = int(fields["index"])
     if undecodable:
