@@ -37,11 +37,11 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from batchgen.kernels.decode_attention import (
     _decode_attention_launch,
-    num_sms,
     pick_num_splits,
     decode_attention_ref,
     decode_attention_triton,
 )
+from batchgen.kernels.device import num_sms
 from batchgen.kernels.prefill_attention import (
     _prefill_attention_launch,
     prefill_attention_ref,

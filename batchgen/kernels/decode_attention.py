@@ -28,10 +28,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from batchgen.kernels.longest_first import longest_first
-from batchgen.kernels.pdl import (
-    let_next_kernel_start, pdl_launch_args, wait_for_prior_kernels, wait_only_for_prior_kernels,
+from batchgen.kernels.device import (
+    let_next_kernel_start, num_sms, pdl_launch_args, wait_for_prior_kernels, wait_only_for_prior_kernels,
 )
+from batchgen.kernels.longest_first import longest_first
 from batchgen.kernels.store_kv import query_for_kv_dot
 
 
@@ -67,7 +67,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D, at least 16
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_only_for_prior_kernels(PDL)  # (the next kernel starts as the programs finish reading: below)
     # The kv heads of one (sequence, split) run side by side: they read neighbouring bytes of
@@ -148,7 +148,7 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_N: tl.constexpr,  # keys per step of stage 1 (S_i is a multiple of it)
     BLOCK_D: tl.constexpr,  # next power of 2 >= D
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_for_prior_kernels(PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -175,21 +175,6 @@ def _decode_merge_kernel(
         acc = acc * tl.exp2(lse - lse_new) + o_c * tl.exp2(lse_c - lse_new)
         lse = lse_new
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=dim_mask)
-
-
-_NUM_SMS: dict[int, int] = {}
-
-
-def device_index(device: torch.device) -> int:
-    """A CUDA device's index ("cuda" alone: the current device)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def num_sms(device: torch.device) -> int:
-    index = device_index(device)
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
 
 
 # (BLOCK_N, warps, stages), tuned on an H200 for 16-bit queries (benchmarks/KERNELS.md); fp32 and

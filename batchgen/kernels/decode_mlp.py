@@ -31,7 +31,7 @@ import triton.language as tl
 
 from batchgen.kernels.decode_mlp_gluon import decode_mlp_gluon
 from batchgen.kernels.decode_mlp_gluon import usable as gluon_usable
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rmsnorm import add_residual, add_rmsnorm_ref
 
 
@@ -63,7 +63,7 @@ def _decode_mlp_kernel(
     BLOCK_K: tl.constexpr,  # columns of W_gate / W_up a chunk (divides H)
     BLOCK_H: tl.constexpr,  # columns of W_down^T a chunk (divides H)
     H_POW2: tl.constexpr,  # H rounded up to a power of two: the row in one load
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     pid = tl.program_id(0)
     j = pid * BLOCK_J + tl.arange(0, BLOCK_J)

@@ -47,8 +47,7 @@ import os
 import torch
 import triton
 
-from batchgen.kernels.decode_attention import device_index, num_sms
-from batchgen.kernels.pdl import pdl_launch_args
+from batchgen.kernels.device import device_index, num_sms, pdl_launch_args
 
 try:
     from triton.experimental import gluon
@@ -155,7 +154,7 @@ def _decode_mlp_gluon_kernel(
     H, I,  # (arguments as kernels/decode_mlp.py's)
     NW: gl.constexpr,  # warps = rows of a block
     NT: gl.constexpr,  # tiles in the shared-memory ring
-    PDL: gl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: gl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     BJ: gl.constexpr = NW
     HC: gl.constexpr = 256 * NW  # == H
@@ -170,7 +169,7 @@ def _decode_mlp_gluon_kernel(
     blocks = gl.cdiv(gl.cdiv(I, BJ) - pid, P)  # the program's blocks: pid, pid + P, ... (BJ rows each)
     for T in gl.static_range(NT):  # the first tiles before the PDL wait (weights: no dependency)
         _issue_tile(gate_desc, up_desc, down_desc, ring, bars, 0, T, NT, pid, P, blocks)
-    if PDL:  # kernels/pdl.py's wait_for_prior_kernels
+    if PDL:  # kernels/device.py's wait_for_prior_kernels
         cuda_extra.gdc_wait()
         cuda_extra.gdc_launch_dependents()
 

@@ -25,14 +25,13 @@ The reference makes the same scores with torch ops and exact logs; the kernel's 
 ulps (lg2.approx, ex2.approx), so a token can differ from the reference's only on a near-tie.
 """
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import interpreting, pdl_launch_args, wait_for_prior_kernels
 
 _M32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # multiplier of both mix rounds
@@ -50,7 +49,7 @@ def _hash32(x):
 _NEG_LN2 = tl.constexpr(-0.6931471805599453)  # (tensor * constexpr: a constexpr first is not a tensor op)
 _SALT = tl.constexpr(_TOKEN_SALT)
 # lg2.approx is a GPU instruction; the CPU interpreter (tests) has no libdevice and takes the exact log2
-_APPROX_LOG2 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+_APPROX_LOG2 = tl.constexpr(not interpreting())
 
 
 @triton.jit
@@ -120,7 +119,7 @@ def _best_group_parts_kernel(
     ROWS: tl.constexpr,  # rows a program: a group's id is hashed once for all of them
     GROUPS: tl.constexpr,  # groups an iteration
     GROUP: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     """Score of group g: ln Z_g + n_g for a sampled row (Z_g = sum 2^(y - top) * 2^top, y = x log2(e) / T,
     in log2 units until the end); the largest logit of the group for a greedy row."""
@@ -183,7 +182,7 @@ def _token_of_best_group_kernel(
     GROUP: tl.constexpr,
     WRITE_BEST: tl.constexpr,
     KEEP: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     """A row's first best part -> its group -> the token: argmax of x_v / T + n_v over the group
     (of the logits for a greedy row), the first at the maximum."""

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
 
 
 # num_seqs follows the batch: not specialized; kv_lens may be a view at any offset (kernels/__init__.py)
@@ -32,7 +32,7 @@ def _longest_first_kernel(
     schedule_ptr,  # [3, B] int32 out: the sequences longest first, their kv_lens, their rows
     num_seqs,  # B
     BLOCK: tl.constexpr,  # sequences ranked a program, and compared against per iteration
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_for_prior_kernels(PDL)
     mine = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

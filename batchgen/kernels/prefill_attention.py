@@ -27,7 +27,7 @@ from batchgen.kernels.store_kv import query_for_kv_dot
 
 
 @triton.jit
-def _attend_keys(
+def attend_keys(
     acc,  # [BLOCK_M, BLOCK_D] fp32 running sum of 2^(s - m_i) v
     l_i,  # [BLOCK_M] fp32 running sum of 2^(s - m_i)
     m_i,  # [BLOCK_M] fp32 running max of s
@@ -115,7 +115,7 @@ def _prefill_attention_kernel(
         mask=io_mask,
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
-    q = query_for_kv_dot(q, k_cache_ptr.dtype.element_ty)  # _attend_keys widens K/V to q's dtype
+    q = query_for_kv_dot(q, k_cache_ptr.dtype.element_ty)  # attend_keys widens K/V to q's dtype
     q_pos = prefix + rows  # absolute position of each query row
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -129,11 +129,11 @@ def _prefill_attention_kernel(
     kv_end = tl.minimum(kv_len, prefix + first_row + BLOCK_M)
     k_head_ptr = k_cache_ptr + kv_head * cache_stride_h
     v_head_ptr = v_cache_ptr + kv_head * cache_stride_h
-    acc, l_i, m_i = _attend_keys(
+    acc, l_i, m_i = attend_keys(
         acc, l_i, m_i, q, q_pos, token_row, k_head_ptr, v_head_ptr, cache_stride_s,
         0, full_end, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
     )
-    acc, l_i, m_i = _attend_keys(
+    acc, l_i, m_i = attend_keys(
         acc, l_i, m_i, q, q_pos, token_row, k_head_ptr, v_head_ptr, cache_stride_s,
         full_end, kv_end, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
     )

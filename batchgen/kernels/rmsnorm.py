@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     NUM_PARTS: tl.constexpr,  # > 0: x is [NUM_PARTS, T, H] fp32 parts to sum (with a residual)
     BLOCK_H: tl.constexpr,  # next power of 2 >= H: one program holds a whole row
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_for_prior_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)

@@ -19,7 +19,7 @@ Program (kv head g, split c, sequence i) does, for the G = Hq / Hk query heads o
 q [B, Hq, D], k and v [B, Hk, D] come with their own strides, like kernels/rope_store_kv.py's:
 usually strided views into the qkv product, for Qwen3 q_norm's and k_norm's outputs.
 
-What it reads before the wait (kernels/pdl.py): the step's index arrays (written by the step's first
+What it reads before the wait (kernels/device.py): the step's index arrays (written by the step's first
 kernel) and K/V at positions before L - 1 (written by earlier steps). Every kernel before the one
 before this has finished when this one starts, and the one before (the qkv product, or Qwen3's k
 norm) writes neither. q, k and v are the output of that kernel or of one just before it: read after
@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.decode_attention import decode_attention_ref, num_sms, pick_num_splits
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.decode_attention import decode_attention_ref, pick_num_splits
+from batchgen.kernels.device import num_sms, pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rope_store_kv import rope_store_kv_ref
 
 BLOCK_N = 64  # keys a step; a split of at most this many keys is read whole before the wait

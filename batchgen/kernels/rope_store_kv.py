@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rotary import _rotate_heads, apply_rotary_cpu, apply_rotary_ref
 from batchgen.kernels.store_kv import store_kv_ref, to_cache_dtype
 
@@ -43,7 +43,7 @@ def _rope_store_kv_kernel(
     BLOCK_HQ: tl.constexpr,  # next power of 2 >= Hq
     BLOCK_HK: tl.constexpr,  # next power of 2 >= Hk
     BLOCK_HALF: tl.constexpr,  # next power of 2 >= D / 2
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_for_prior_kernels(PDL)
     token = tl.program_id(0).to(tl.int64)

@@ -13,7 +13,7 @@ gate/up projections, without the norm kernel before them).
     y[m, n] = sum_k silu(g[m, k]) * u[m, k] * W[n, k]   (SILU_MUL, g = x[:, :K], u = x[:, K:])
     y[m, n] = sum_k rmsnorm(x + r)[m, k] * W[n, k]       (NORM; rounded as kernels/rmsnorm.py rounds)
 
-W must be a constant (a weight): under programmatic dependent launch (kernels/pdl.py) each program
+W must be a constant (a weight): under programmatic dependent launch (kernels/device.py) each program
 reads its first chunk of W (two where the product has few programs) before waiting for the kernel before it.
 
 Two kernels read W. `_skinny_gemm_kernel` loads each chunk into registers: one chunk in flight a
@@ -39,8 +39,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels import decode_mlp_gluon
-from batchgen.kernels.decode_attention import device_index
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import device_index, interpreting, pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rmsnorm import add_residual, add_rmsnorm_ref, rmsnorm_ref
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref
 
@@ -65,7 +64,7 @@ except ImportError:
 def _tma_supported(device_index: int) -> bool:
     if TensorDescriptor is None or os.environ.get("BATCHGEN_SKINNY_TMA", "1") == "0":
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
@@ -171,7 +170,7 @@ def _skinny_gemm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DEFER_SUM: tl.constexpr,  # keep [BLOCK_M, BLOCK_N, BLOCK_K] partials, sum once at the end
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
     PRE_CHUNKS: tl.constexpr,  # chunks of W read before the wait: 1, or 2 when K > BLOCK_K
     STATS_K: tl.constexpr = 0,  # NORM: columns of x a step of the statistics pass (see stats_columns)
 ):
@@ -182,7 +181,7 @@ def _skinny_gemm_kernel(
     m_ok = m < M
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + w_rows[:, None] * w_stride_n + cols[None, :]
-    # W's first chunk is read while the kernel before may still run (PDL, kernels/pdl.py): a constant
+    # W's first chunk is read while the kernel before may still run (PDL, kernels/device.py): a constant
     first_w = _weight_chunk(w_ptrs, cols < K, EVEN_K)
     if PRE_CHUNKS == 2:
         second_w = _weight_chunk(w_ptrs + BLOCK_K, BLOCK_K + cols < K, EVEN_K)

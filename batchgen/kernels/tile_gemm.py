@@ -36,8 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.decode_attention import device_index, num_sms
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import device_index, interpreting, num_sms, pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref
 from batchgen.kernels.skinny_gemm import TensorDescriptor, tma_ok
 
@@ -108,7 +107,7 @@ def _tile_gemm_kernel(
 def _supported(device_index: int) -> bool:
     if TensorDescriptor is None or os.environ.get("BATCHGEN_TILE_GEMM", "1") == "0":
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return False
     # Hopper and datacenter Blackwell: the tiles' stages take up to ~110 KB of shared memory, more than
     # consumer parts (sm_120, ~99 KB) give a program

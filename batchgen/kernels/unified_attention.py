@@ -33,8 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
-from batchgen.kernels.prefill_attention import _attend_keys
+from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.prefill_attention import attend_keys
 from batchgen.kernels.store_kv import query_for_kv_dot
 
 
@@ -75,7 +75,7 @@ def _attend_query_block(
         mask=io_mask,
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
-    q = query_for_kv_dot(q, k_head_ptr.dtype.element_ty)  # _attend_keys widens K/V to q's dtype
+    q = query_for_kv_dot(q, k_head_ptr.dtype.element_ty)  # attend_keys widens K/V to q's dtype
     prefix = kv_len - q_len  # cached tokens before the first new one
     q_pos = prefix + q_idx  # absolute position of each row's query (padding rows: past the block)
 
@@ -87,11 +87,11 @@ def _attend_query_block(
     # runs first leaves m_i finite.
     full_end = (prefix + first_q + 1) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(kv_len, prefix + first_q + BLOCK_Q)
-    acc, l_i, m_i = _attend_keys(
+    acc, l_i, m_i = attend_keys(
         acc, l_i, m_i, q, q_pos, token_row, k_head_ptr, v_head_ptr, cache_stride_s,
         0, full_end, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
     )
-    acc, l_i, m_i = _attend_keys(
+    acc, l_i, m_i = attend_keys(
         acc, l_i, m_i, q, q_pos, token_row, k_head_ptr, v_head_ptr, cache_stride_s,
         full_end, kv_end, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
     )
@@ -135,7 +135,7 @@ def _unified_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D (and >= 16)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_for_prior_kernels(PDL)
     # The KV heads of one q block run side by side: they read neighbouring bytes of the same slots.
