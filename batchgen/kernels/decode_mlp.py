@@ -29,8 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.decode_mlp_gluon import decode_mlp_gluon
-from batchgen.kernels.decode_mlp_gluon import usable as gluon_usable
 from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rmsnorm import add_residual, add_rmsnorm_ref
 
@@ -169,11 +167,9 @@ def decode_mlp(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     w_gate_up: torch.Tensor, w_down_t: torch.Tensor, out_sum: torch.Tensor, next_sum: torch.Tensor,
 ) -> torch.Tensor:
-    """decode_mlp_triton's contract: on a GPU the kernel (kernels/decode_mlp_gluon.py's where its check
-    passed), the reference's sum added elsewhere."""
+    """decode_mlp_triton's contract: the kernel on a GPU, the reference's sum added elsewhere."""
     if x.is_cuda:
-        kernel = decode_mlp_gluon if gluon_usable(x.device, residual.dtype, w_down_t.shape[1]) else decode_mlp_triton
-        return kernel(x, residual, norm_weight, eps, w_gate_up, w_down_t, out_sum, next_sum)
+        return decode_mlp_triton(x, residual, norm_weight, eps, w_gate_up, w_down_t, out_sum, next_sum)
     total, new_residual = decode_mlp_ref(x, residual, norm_weight, eps, w_gate_up, w_down_t)
     out_sum += total
     next_sum.zero_()

@@ -47,7 +47,9 @@ import os
 import torch
 import triton
 
+from batchgen.kernels.decode_mlp import decode_mlp_triton
 from batchgen.kernels.device import device_index, num_sms, pdl_launch_args
+from batchgen.kernels.skinny_gemm import skinny_gemm_triton
 
 try:
     from triton.experimental import gluon
@@ -272,7 +274,6 @@ def _row_passes(device: torch.device, dtype: torch.dtype) -> bool:
     sums in another order); any failure leaves the skinny kernel."""
     if not _gluon_allowed(device, "BATCHGEN_GLUON_ROW"):
         return False
-    from batchgen.kernels.skinny_gemm import skinny_gemm_triton
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(1, HIDDEN, generator=gen, device=device).to(dtype)
     w = (torch.randn(1000, HIDDEN, generator=gen, device=device) * HIDDEN**-0.5).to(dtype)
@@ -319,8 +320,6 @@ def check(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
 def _passes(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
     if dtype not in (torch.float16, torch.bfloat16) or not _gluon_allowed(device, "BATCHGEN_GLUON_MLP"):
         return False
-    from batchgen.kernels.decode_mlp import decode_mlp_triton
-
     gen = torch.Generator(device=device).manual_seed(0)
     inter = 1000  # (not a multiple of the block: partial blocks)
 

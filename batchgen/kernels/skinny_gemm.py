@@ -38,7 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels import decode_mlp_gluon
 from batchgen.kernels.device import device_index, interpreting, pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rmsnorm import add_residual, add_rmsnorm_ref, rmsnorm_ref
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref
@@ -401,8 +400,6 @@ def skinny_gemm(
     out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if x.is_cuda:
-        if bias is None and not silu_mul and decode_mlp_gluon.row_product_takes(x, weight):
-            return decode_mlp_gluon.row_product_gluon(x, weight, out_dtype, out)
         return skinny_gemm_triton(x, weight, bias, silu_mul, out_dtype, out=out)
     y = skinny_gemm_ref(x, weight, bias, silu_mul, out_dtype)
     if out is None:

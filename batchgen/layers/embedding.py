@@ -10,8 +10,7 @@ from torch import nn
 
 from batchgen.forward.parallel import SINGLE, TensorParallel
 from batchgen.kernels.gumbel_argmax import GROUP
-from batchgen.kernels.skinny_gemm import skinny_gemm
-from batchgen.layers.packed_linear import PackableWeight, streams_weight
+from batchgen.layers.packed_linear import PackableWeight, stream_product, streams_weight
 
 
 def vocab_rows_per_rank(vocab_size: int, tp_size: int) -> int:
@@ -62,7 +61,7 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
         logits = None
         if hidden.is_cuda and hidden.dtype != torch.float32:
             if streams_weight(hidden):  # one row: 117 vs 125 us for llama-3.2-1b's head on an H200
-                return skinny_gemm(hidden, self.weight, out_dtype=torch.float32 if fp32 else hidden.dtype)[:, :real]
+                return stream_product(hidden, self.weight, out_dtype=torch.float32 if fp32 else hidden.dtype)[:, :real]
             logits = self._fp32_product(hidden) if fp32 else self.matmul(hidden)
         if logits is None:
             logits = self.matmul(hidden).float()

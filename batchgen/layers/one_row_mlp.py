@@ -52,8 +52,10 @@ class OneRowMLP:
             if self.open:  # the last forward raised part-way (an eager step): the last layer never zeroed this
                 self.sum.zero_()
             self.open = True
-        new_residual = decode_mlp(x, residual, norm.weight, norm.eps, self.w_gate_up, self.w_down_t, self.sum,
-                                  self.next.sum)
+        # the persistent Gluon kernel where its check passed (H = 2,048), else the Triton one
+        gluon = decode_mlp_gluon.usable(x.device, residual.dtype, self.w_down_t.shape[1])
+        mlp = decode_mlp_gluon.decode_mlp_gluon if gluon else decode_mlp
+        new_residual = mlp(x, residual, norm.weight, norm.eps, self.w_gate_up, self.w_down_t, self.sum, self.next.sum)
         if self.next is self.first:
             self.first.open = False
         return self.parts, new_residual

@@ -27,7 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import silu_and_mul
+from batchgen.kernels import decode_mlp_gluon, silu_and_mul
 from batchgen.kernels.skinny_gemm import skinny_gemm, uses_tma
 from batchgen.kernels.tile_gemm import tile_for, tile_gemm
 
@@ -73,6 +73,17 @@ def streams_weight(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
 
 
+def stream_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """skinny_gemm's product; on a GPU, one row whose weight fits the Gluon ring whole (llama-3.2-1b's o:
+    decode_mlp_gluon.row_product_takes) through that ring instead."""
+    if x.is_cuda and bias is None and not silu_mul and decode_mlp_gluon.row_product_takes(x, weight):
+        return decode_mlp_gluon.row_product_gluon(x, weight, out_dtype, out)
+    return skinny_gemm(x, weight, bias, silu_mul, out_dtype, out)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of a CPU weight [out, in], or None where packing is not available."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not can_pack(weight.dtype):
@@ -106,7 +117,7 @@ class PackableWeight:
         fp32 [S, T, out]. out [T, out]: where the GPU's product (no bias) is written, unless it comes
         in parts; the CPU's packed product returns a new tensor."""
         if self.streams(x):
-            return skinny_gemm(x, self.weight, bias, silu_mul, out=out if bias is None else None)
+            return stream_product(x, self.weight, bias, silu_mul, out=out if bias is None else None)
         if silu_mul:
             x = silu_and_mul(x)
         tile = tile_for(x, self.weight, silu_mul_out, parts_ok) if bias is None and self.packed is None else None
