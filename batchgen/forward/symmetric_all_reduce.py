@@ -14,11 +14,10 @@ kernels and CUDA graphs capture it like any kernel.
 After a row-parallel product the layer's add + RMSNorm follows the sum: where the product wrote
 into the buffer, `all_reduce_add_rmsnorm` does both in one kernel (kernels/all_reduce_rmsnorm.py)
 over the same allocation, which also holds that kernel's output rows and its flags.
-BATCHGEN_ALL_REDUCE_NORM=0 keeps them apart (the two-shot kernel, then the norm's own).
 
 Larger tensors (prefill chunks over 64 MiB) stay with NCCL, and so do other dtypes and GPUs without
 peer access. With more than two ranks the limit is 2 MiB and the fused norm is off (at four ranks
-both together were slower: MAX_BYTES's comment). BATCHGEN_SYMM_ALL_REDUCE=0 turns symmetric memory off.
+both together were slower: MAX_BYTES's comment). EngineConfig.symmetric_all_reduce = False turns symmetric memory off.
 
 NCCL's abort cannot reach this kernel. A rank killed in the middle of a job still gives the engine's
 one clear error and rank 0 closes and exits (tests/gpu/test_symmetric_all_reduce_gpu.py).
@@ -27,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -52,7 +50,6 @@ MAX_BYTES_MORE_RANKS = 2 << 20
 FUSED_NORM_RANKS = 2  # the world size the fused add + RMSNorm runs at
 DTYPE = torch.bfloat16  # the dtype it was measured in
 ELEMENT_MULTIPLE = 64  # numel a multiple of this: every rank's slice stays 16-byte aligned
-FUSE_NORM = os.environ.get("BATCHGEN_ALL_REDUCE_NORM", "1") != "0"
 
 
 class SymmetricAllReduce:
@@ -65,12 +62,12 @@ class SymmetricAllReduce:
         self.buffer = allocation[:elements]  # mapped by every rank: partial sums in, sums out
         self.normed = allocation[elements: 2 * elements]  # all_reduce_add_rmsnorm's output
         self.bases, self.rank, self.max_programs = bases, rank, max_programs
-        self.fuse_norm = FUSE_NORM and bases.numel() == FUSED_NORM_RANKS
+        self.fuse_norm = bases.numel() == FUSED_NORM_RANKS
         self._normed_offset, self._flags_offset = elements * DTYPE.itemsize, 2 * elements * DTYPE.itemsize  # bytes
         self._reduce_in_place = torch.ops.symm_mem.two_shot_all_reduce_
 
     def takes_partials(self, x: torch.Tensor) -> bool:
-        """all_reduce_add_rmsnorm can take x: the fused kernel is on (FUSE_NORM, two ranks) and x is
+        """all_reduce_add_rmsnorm can take x: the fused kernel is on (two ranks) and x is
         staging()'s view, where a product wrote its partial sums."""
         return self.fuse_norm and x.data_ptr() == self.buffer.data_ptr()
 
@@ -134,7 +131,7 @@ def supported_here(rank: int, size: int, device: torch.device) -> bool:
     """This rank could take part: a CUDA device that reaches every other rank's GPU directly, and a
     torch that has the two-shot kernel and the process-group calls open_symmetric makes. Every rank
     must agree before the (collective) set-up."""
-    if device.type != "cuda" or size < 2 or os.environ.get("BATCHGEN_SYMM_ALL_REDUCE", "1") == "0":
+    if device.type != "cuda" or size < 2:
         return False
     if _opened_in_this_process:  # (a later engine: see _opened_in_this_process)
         log.info("tensor parallelism: NCCL all-reduces (symmetric memory serves only a process's first engine)")

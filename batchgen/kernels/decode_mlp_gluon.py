@@ -35,14 +35,12 @@ product alone, W-decode1 0.820 / 0.821 against 0.825 / 0.825 ms; H200, KERNELS.m
 
 Gluon is experimental: the kernel is compiled and checked against the Triton kernel once a device
 (`check`, at start-up, before any CUDA graph), and the engine takes it only where that passed (one
-that fails to compile, e.g. on a GPU with less shared memory, leaves the Triton kernel).
-BATCHGEN_GLUON_MLP=0 turns it off (BATCHGEN_GLUON_ROW=0 the row product, whose check runs at its first
-call outside CUDA graph capture: the engine's warm-up).
+that fails to compile, e.g. on a GPU with less shared memory, leaves the Triton kernel). The row
+product's check runs at its first call outside CUDA graph capture (the engine's warm-up).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -242,10 +240,9 @@ def _row_product_gluon_kernel(x_ptr, w_desc, y_ptr, N, NW: gl.constexpr, NT: gl.
         gl.store(y_ptr + n, gl.sum(w.to(gl.float32) * x, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
 
 
-def _gluon_allowed(device: torch.device, switch: str) -> bool:
-    """What both checks need before they compile: Gluon here, a Hopper or later GPU, the kernel's
-    switch (an environment variable) not 0."""
-    return gluon is not None and os.environ.get(switch, "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+def _gluon_allowed(device: torch.device) -> bool:
+    """What both checks need before they compile: Gluon here, a Hopper or later GPU."""
+    return gluon is not None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 _ROW_CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> the row product's check passed
@@ -272,7 +269,7 @@ def row_product_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _row_passes(device: torch.device, dtype: torch.dtype) -> bool:
     """Compiled and compared with the skinny kernel on random inputs (within 1e-4 of the scale: fp32
     sums in another order); any failure leaves the skinny kernel."""
-    if not _gluon_allowed(device, "BATCHGEN_GLUON_ROW"):
+    if not _gluon_allowed(device):
         return False
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(1, HIDDEN, generator=gen, device=device).to(dtype)
@@ -307,7 +304,7 @@ def usable(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
 
 def check(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
     """Once a (device, dtype), outside any CUDA graph: where Gluon is there, on Hopper or later, H =
-    HIDDEN and BATCHGEN_GLUON_MLP is not 0, compile the kernel and compare it with the Triton kernel
+    HIDDEN, compile the kernel and compare it with the Triton kernel
     on random inputs (the same x + residual bit for bit, the sums within two bf16 roundings of the
     sum's scale). Any failure (an older or newer Gluon that does not compile it) leaves the Triton
     kernel in use. -> whether `usable` now says yes."""
@@ -318,7 +315,7 @@ def check(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
 
 
 def _passes(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
-    if dtype not in (torch.float16, torch.bfloat16) or not _gluon_allowed(device, "BATCHGEN_GLUON_MLP"):
+    if dtype not in (torch.float16, torch.bfloat16) or not _gluon_allowed(device):
         return False
     gen = torch.Generator(device=device).manual_seed(0)
     inter = 1000  # (not a multiple of the block: partial blocks)

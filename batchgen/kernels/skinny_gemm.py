@@ -32,7 +32,6 @@ kernels/decode_mlp_gluon.row_product_gluon instead, where its check passed.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -61,16 +60,13 @@ except ImportError:
 
 @functools.cache
 def _tma_supported(device_index: int) -> bool:
-    if TensorDescriptor is None or os.environ.get("BATCHGEN_SKINNY_TMA", "1") == "0":
-        return False
-    if interpreting():
+    if TensorDescriptor is None or interpreting():
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def tma_supported(device: torch.device) -> bool:
-    """Whether one-row products on this device may read W through TMA descriptors (Hopper and later;
-    off with BATCHGEN_SKINNY_TMA=0)."""
+    """Whether one-row products on this device may read W through TMA descriptors (Hopper and later)."""
     return device.type == "cuda" and _tma_supported(device_index(device))
 
 

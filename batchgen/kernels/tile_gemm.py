@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import triton
@@ -105,9 +104,7 @@ def _tile_gemm_kernel(
 
 @functools.cache
 def _supported(device_index: int) -> bool:
-    if TensorDescriptor is None or os.environ.get("BATCHGEN_TILE_GEMM", "1") == "0":
-        return False
-    if interpreting():
+    if TensorDescriptor is None or interpreting():
         return False
     # Hopper and datacenter Blackwell: the tiles' stages take up to ~110 KB of shared memory, more than
     # consumer parts (sm_120, ~99 KB) give a program
@@ -116,7 +113,7 @@ def _supported(device_index: int) -> bool:
 
 def tile_gemm_supported(device: torch.device) -> bool:
     """Whether decode products may take this kernel: a Hopper or datacenter Blackwell GPU (TMA, shared
-    memory for the tiles' stages), Triton with host-side descriptors; off with BATCHGEN_TILE_GEMM=0."""
+    memory for the tiles' stages), Triton with host-side descriptors."""
     return device.type == "cuda" and _supported(device_index(device))
 
 

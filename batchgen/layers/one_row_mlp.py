@@ -13,12 +13,10 @@ replay always runs all of its kernels.
 Taken where it pays (H200, KERNELS.md session 19): one GPU (a row-parallel down projection would
 need its all-reduce), 16-bit weights, no MLP bias, a gate/up of at most MAX_GATE_UP elements, and
 one that the skinny kernel would not read through TMA (qwen2.5-0.5b's, H <= 1024, which is faster
-that way). BATCHGEN_ONE_ROW_MLP=0 turns it off. For llama-3.2-1b's H the kernel is
-kernels/decode_mlp_gluon.py's where its start-up check passes (BATCHGEN_GLUON_MLP=0: never).
+that way). For llama-3.2-1b's H the kernel is
+kernels/decode_mlp_gluon.py's where its start-up check passes.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -63,7 +61,7 @@ class OneRowMLP:
 
 def one_row_mlps(mlps: list, device: torch.device, tp_size: int) -> list[OneRowMLP] | None:
     """linked_one_row_mlps(mlps) where the engine takes them, else None (see the module's docstring)."""
-    if os.environ.get("BATCHGEN_ONE_ROW_MLP", "1") == "0" or device.type != "cuda" or tp_size != 1 or len(mlps) < 2:
+    if device.type != "cuda" or tp_size != 1 or len(mlps) < 2:
         return None
     gate_up, down = mlps[0].gate_up_proj, mlps[0].down_proj
     hidden = down.weight.shape[0]

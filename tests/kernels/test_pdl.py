@@ -24,6 +24,19 @@ def test_use_pdl_false_turns_it_off_on_a_gpu_too():
         device.use_pdl(True)
 
 
+def test_build_model_passes_engine_config_pdl(tiny_model):
+    """build_model(pdl=False) (the runner passes EngineConfig.pdl) turns PDL off for the model's kernels."""
+    from batchgen.models.loader import build_model
+    from batchgen.models.model_config import load_model_config
+
+    model_dir = tiny_model("llama")
+    try:
+        build_model(load_model_config(model_dir), model_dir, torch.float32, torch.device("cpu"), 64, pdl=False)
+        assert device.pdl_launch_args(torch.device("cuda", 0)) == {"PDL": False}
+    finally:
+        device.use_pdl(True)
+
+
 def _decode_chain(x, weights, cache, fixed, steps):
     """A decode layer's kernels, `steps` times over, each launched right after the kernel whose output
     it reads (the small index tensors are slices of ones made before: a slice launches nothing), so a
