@@ -32,7 +32,7 @@ from batchgen.kernels.device import (
     let_next_kernel_start, num_sms, pdl_launch_args, wait_for_prior_kernels, wait_only_for_prior_kernels,
 )
 from batchgen.kernels.longest_first import longest_first
-from batchgen.kernels.store_kv import query_for_kv_dot
+from batchgen.kernels.kv_dtype import query_for_kv_dot
 
 
 # num_splits follows the batch and its lengths, index arrays are views: neither specialized (kernels/__init__.py)

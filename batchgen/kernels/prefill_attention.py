@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from batchgen.kernels.store_kv import query_for_kv_dot
+from batchgen.kernels.kv_dtype import query_for_kv_dot
 
 
 @triton.jit
