@@ -1,26 +1,14 @@
-"""All-reduces through symmetric memory, for GPUs that reach each other's memory (NVLink, P2P).
+"""All-reduces through symmetric memory, for GPUs that reach each other's memory (NVLink, P2P): a
+decode step's small all-reduces take torch's two-shot kernel (`torch.ops.symm_mem`, in place: the
+same sums as NCCL, bit for bit, in less time) instead of NCCL's ring.
 
-A decode step all-reduces [rows, hidden] twice a layer. On two H200s (NVLink, inside CUDA graphs)
-NCCL's ring took 16 us for one row of 4096 bf16 and 37 us for 256 rows; torch's two-shot kernel
-over symmetric memory (`torch.ops.symm_mem`) 6 and 13 us, with the same sums bit for bit
-(benchmarks/KERNELS.md). Each rank copies its tensor into a buffer that every rank has mapped; the
-kernel sums one slice of the elements per rank, reading every rank's buffer, then gathers the sums
-into every rank's buffer, in place (torch's out-of-place variant took 15.0 us against 10.9 for
-[192, 4096] bf16 on 2xH200: KERNELS.md, session 10). Row-parallel products write their partial sums
-straight into that buffer where they can (TensorParallel.reduce_buffer), which saves the copy. It
-meets the peers through signal flags in that memory, so it stays in order with the step's other
-kernels and CUDA graphs capture it like any kernel.
-
-After a row-parallel product the layer's add + RMSNorm follows the sum: where the product wrote
-into the buffer, `all_reduce_add_rmsnorm` does both in one kernel (kernels/all_reduce_rmsnorm.py)
-over the same allocation, which also holds that kernel's output rows and its flags.
-
-Larger tensors (prefill chunks over 64 MiB) stay with NCCL, and so do other dtypes and GPUs without
-peer access. With more than two ranks the limit is 2 MiB and the fused norm is off (at four ranks
-both together were slower: MAX_BYTES's comment). EngineConfig.symmetric_all_reduce = False turns symmetric memory off.
-
-NCCL's abort cannot reach this kernel. A rank killed in the middle of a job still gives the engine's
-one clear error and rank 0 closes and exits (tests/gpu/test_symmetric_all_reduce_gpu.py).
+Each rank copies its tensor into a buffer every rank has mapped (row-parallel products write their
+partial sums there directly: TensorParallel.reduce_buffer); the kernel meets its peers through flags
+in that memory, so CUDA graphs capture it like any kernel. Where the product wrote into the buffer,
+`all_reduce_add_rmsnorm` also does the add + RMSNorm after it (kernels/all_reduce_rmsnorm.py), at two
+ranks. Larger tensors, other dtypes and GPUs without peer access stay with NCCL;
+EngineConfig.symmetric_all_reduce = False turns it off. A rank killed mid-job still gives the
+engine's one clear error (NCCL's abort cannot reach this kernel; tests/gpu/test_symmetric_all_reduce_gpu.py).
 """
 from __future__ import annotations
 
@@ -36,15 +24,13 @@ log = logging.getLogger(__name__)
 
 # torch's rendezvous (2.11 at least) numbers the store exchanges it makes with a counter per process:
 # a process's second engine would meet fresh workers (counters at 0) with its counter further on, and
-# every rank would wait for keys the others never write (it hung so on 2xH200). So only the first
+# every rank would wait for keys the others never write (it hung so). So only the first
 # tensor-parallel engine of a process uses symmetric memory; later ones use NCCL.
 _opened_in_this_process = False
 
-# 64 MiB: a prefill step of 8,192 tokens of hidden 4096 (two-shot 214 us against NCCL's 247 on 2xH200,
-# benchmarks/KERNELS.md session 14); NCCL above it. Twice this a rank (sums and normed rows). At two
-# ranks only: on 4xH200 (session 15) the fused kernel is correct at four ranks (its GPU test), but
-# llama-3.1-8b W-offline at TP=4 ran 4.7% slower with it and the 64 MiB than with the 2 MiB of decode
-# steps and the norm's own kernel, which more ranks keep.
+# 64 MiB: a prefill step of 8,192 tokens of hidden 4096 (still faster than NCCL); NCCL above it. Twice
+# this a rank (sums and normed rows). At two ranks only: more ranks keep the 2 MiB of decode steps and
+# the norm's own kernel (the fused kernel is correct at four ranks, but slower end to end there).
 MAX_BYTES = 64 << 20
 MAX_BYTES_MORE_RANKS = 2 << 20
 FUSED_NORM_RANKS = 2  # the world size the fused add + RMSNorm runs at

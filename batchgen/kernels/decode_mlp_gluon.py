@@ -1,42 +1,16 @@
-"""The one-row MLP of kernels/decode_mlp.py (same contract, same rounding) as a persistent kernel in
-Gluon, Triton's dialect with explicit layouts, where the installed Triton has it and a start-up check
-passed (`check`), for H = 2,048 (llama-3.2-1b's: the shape measured).
+"""kernels/decode_mlp.py's one-row MLP (same contract and rounding), H = 2,048, as a persistent Gluon kernel.
 
     P = min(the SM count, I / BJ);  program p owns the blocks p, p + P, p + 2P, ... of BJ = 8 rows
 
-Every block is three tiles [BJ, H]: its gate rows, its up rows and its rows of W_down^T. TMA copies
-the tiles into a ring of TILES = 7 slots of shared memory, one mbarrier a slot: the program issues
-its first 7 tiles before the PDL wait (weights depend on no kernel) and refills each slot as soon as
-all warps have read it, so ~2 blocks stay in flight while a block is summed.
-Gate and up are each a warp's sum over its row (one row a warp), SiLU-and-mul gives the block's 8
-activations, and the W_down^T tile is read with all 8 rows of a column group in one thread, so the
-down product's sum over the block stays in the thread. The program's [H] share of the down product
-stays in registers over its blocks and is added into `sum` once (fp32 atomics: P adds of [H], where
-kernels/decode_mlp.py's 512 programs add 512).
+A block is three tiles [BJ, H]: its gate rows, up rows and rows of W_down^T, copied by TMA into a ring
+of TILES slots of shared memory (one mbarrier a slot); the first tiles are issued before the PDL wait
+and each slot is refilled once every warp has read it. A warp sums one gate/up row; a thread holds a
+column group of all BJ rows of W_down^T, so the down product's sum over a block stays in the thread,
+and the program adds its [H] share into `sum` once (fp32 atomics). The same ring serves one-row
+products whose weight fits it whole (`row_product_gluon`, where `row_product_takes` says so).
 
-Why this shape (graph replays of 16 layers of llama-3.2-1b, H200; KERNELS.md, sessions 20 and 21):
-- kernels/decode_mlp.py's 512 programs of 16 rows take 250 registers a thread, two programs an SM in
-  two waves, so the SMs end unevenly (30.1 us a layer);
-- one program an SM with the next block's rows in registers (session 20's form) took 28.1 us: its
-  loads in flight were what registers hold; a ring of 6 tiles (2 blocks, 159 registers) took 26.5 us,
-  7 tiles refilled a tile at a time 26.2 us;
-- blocks dealt round-robin (p, p + P, ...) rather than a contiguous range a program: at any moment
-  the SMs read neighbouring rows (a ring of 2 blocks: 26.7 against 27.2 us);
-- the ring's bound, TMA loads alone: 24.3 us; a plain stream of the same bytes: 23.4 us.
-W-decode1: 0.829 ms a token, against 0.868 with session 20's form and 0.904 with the Triton kernel.
-A Triton kernel cannot put a block's rows in one thread for the down product's sum (its layouts are
-the compiler's), which made such blocks slow there.
-
-The same ring serves one-row products x [1, H] @ W^T whose W fits it whole (at most TILES blocks of 8
-rows an SM: llama-3.2-1b's o, 8 MB): `row_product_gluon`, which kernels/skinny_gemm.skinny_gemm takes
-where `row_product_takes` says so. Its programs issue their every tile before the PDL wait, while the
-attention before them runs, whose programs leave the SM's shared memory free (3.3 against 3.7 us a
-product alone, W-decode1 0.820 / 0.821 against 0.825 / 0.825 ms; H200, KERNELS.md session 21).
-
-Gluon is experimental: the kernel is compiled and checked against the Triton kernel once a device
-(`check`, at start-up, before any CUDA graph), and the engine takes it only where that passed (one
-that fails to compile, e.g. on a GPU with less shared memory, leaves the Triton kernel). The row
-product's check runs at its first call outside CUDA graph capture (the engine's warm-up).
+Gluon is experimental: each kernel is checked against the Triton one once a device (the MLP's at
+start-up, the row product's at its first call outside graph capture); a failure leaves the Triton one.
 """
 from __future__ import annotations
 
@@ -65,8 +39,6 @@ except Exception:  # noqa: BLE001 (a Triton without Gluon, or with another one: 
 HIDDEN = 2048  # H taken: 256 columns a warp-row times NUM_WARPS, one column group a thread
 NUM_WARPS = 8  # = BJ, the rows of a block (one a warp)
 # The shared-memory ring, in tiles of [BJ, H] (32 KB at 16 bits): 7 fill 224 of an H100's or H200's 227 KB
-# a block (W-decode1 0.832 against 0.845 ms a token with 6, each block's refilled together; H200,
-# KERNELS.md session 21)
 TILES = 7
 TMA_COLS = 256  # a weight row is read as H / 256 rows of 256 (a TMA box side is at most 256)
 _CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> check passed
@@ -189,8 +161,7 @@ def _decode_mlp_gluon_kernel(
 
     out = gl.zeros([HC], gl.float32, gl.SliceLayout(0, LD))  # this program's share of the down product
     for b in range(blocks):
-        # each slot refilled as soon as every warp has read it (W-decode1 0.829 against 0.834 ms a token
-        # with the block's three refilled together; H200, KERNELS.md session 21)
+        # each slot refilled as soon as every warp has read it (not the block's three together)
         gate_w = _slot_rows(ring, bars, 3 * b, NT, BJ, HC).load(LG)
         _refill(gate_desc, up_desc, down_desc, ring, bars, b, NT, NT, pid, P, blocks)
         up_w = _slot_rows(ring, bars, 3 * b + 1, NT, BJ, HC).load(LG)

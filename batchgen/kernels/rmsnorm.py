@@ -78,9 +78,8 @@ def _launch(x, residual, weight, eps, parts=None):
     if num_tokens == 0:
         return out, new_residual
     block_h = triton.next_power_of_2(hidden)
-    # a row's elements 16 a thread, or 4 where they are sums of fp32 parts (16 warps for H = 2,048): after
-    # the tile kernel, llama-3.2-1b's o and down + the norm of 4 parts took 1.3-1.7 us less at 16 warps
-    # than at 4 (2-192 rows); a plain row gained nothing from more warps (H200, KERNELS.md session 24)
+    # a row's elements 16 a thread, or 4 where they are sums of fp32 parts (16 warps for H = 2,048: the
+    # parts' loads need the threads; a plain row gains nothing from more warps)
     num_warps = min(max(block_h // (512 if parts is None else 128), 1), 16)
     _rmsnorm_kernel[(num_tokens,)](
         x, x.stride(0), 0 if parts is None else parts.stride(0),

@@ -23,8 +23,8 @@ class Attention(nn.Module):
 
     def _takes_one_launch(self, q: torch.Tensor, batch: ForwardBatch) -> bool:
         """A decode step of one sequence on a GPU: rope, the KV store and attention in one launch. Not
-        for fp32 (its dots would not be exact), an fp8 pool, or head_dim other than 32 or 64 (measured
-        at 64; larger heads would hold more of the merge in registers)."""
+        for fp32 (its dots would not be exact), an fp8 pool, or head_dim other than 32 or 64 (larger
+        heads would hold more of the merge in registers)."""
         return (q.is_cuda and q.shape[0] == 1 and batch.num_decode == 1 and batch.num_prefill == 0
                 and not batch.unified and q.dtype in (torch.float16, torch.bfloat16)
                 and self.k_cache.dtype == q.dtype and self.head_dim in (32, 64))

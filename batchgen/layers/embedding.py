@@ -60,7 +60,7 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
         real = max(0, min(self.rows_per_rank, self.vocab_size - self.start))
         logits = None
         if hidden.is_cuda and hidden.dtype != torch.float32:
-            if streams_weight(hidden):  # one row: 117 vs 125 us for llama-3.2-1b's head on an H200
+            if streams_weight(hidden):  # one row: the skinny kernel streams the head faster than cuBLAS
                 return stream_product(hidden, self.weight, out_dtype=torch.float32 if fp32 else hidden.dtype)[:, :real]
             logits = self._fp32_product(hidden) if fp32 else self.matmul(hidden)
         if logits is None:
@@ -68,9 +68,8 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
         return logits[:, :real]
 
     def _fp32_product(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """fp32 logits straight from the product: a bf16 [S, V] result and its conversion cost ~75 us
-        a step net at 256 rows of a 128k vocabulary (H200, benchmarks/KERNELS.md); None where torch
-        cannot."""
+        """fp32 logits straight from the product (no bf16 [S, V] result and its conversion); None where
+        torch cannot."""
         if self.fp32_product is False:
             return None
         try:

@@ -1,24 +1,12 @@
-"""CPU matrix products with the weight packed once, for oneDNN.
+"""Every layer's product (PackableWeight.matmul), and on CPU the weight packed once for oneDNN.
 
-On CPU, F.linear hands oneDNN the weight in its plain [out, in] layout and oneDNN re-lays it out into
-its blocked format on every call. Packing once, after the weights are loaded, makes the products of
-a decode step 1.1-1.4x faster in bf16 and 1.3-2.5x in fp32 (SmolLM2-135M's shapes, 1 to 64 rows, on
-a 2-core AVX512-BF16 EPYC; the 49152-row LM head 1.4x in bf16), with bit-identical results in bf16.
-
-torch reaches this packing through the ops its compiler uses for frozen CPU graphs
-(mkldnn._reorder_linear_weight, mkldnn._linear_pointwise). Where those are missing, or do not give
-F.linear's result on a probe, the layers keep F.linear.
-
-PackableWeight.matmul is every layer's product: packed on CPU, F.linear elsewhere, except one row of
-16-bit activations on a GPU (the decode of a single sequence) with a weight of at most 2^24 elements,
-or one the kernel reads through TMA, which the skinny kernel streams (kernels/skinny_gemm.py: 9-20%
-under cuBLAS's batch-1 products on llama-3.2-1b's qkv, o and down in CUDA graphs on an H200; the down
-projection takes silu(gate) * up as it reads, and layernorm.normed_product gives qkv and gate/up
-their RMSNorm the same way: a kernel less each). On Hopper, 2 to 64 rows of an MLP's gate/up, and
-of o and down projections on one GPU, go to the tile kernel where kernels/tile_gemm.tile_for takes them
-(65 to 256 rows where start-up timing found it faster than cuBLAS: engine/product_tuning.py):
-gate/up with its SiLU-and-mul applied (a kernel less), o and down in split-K parts that the add +
-RMSNorm after them sums.
+On CPU F.linear hands oneDNN the plain [out, in] weight, which it re-lays out on every call; packing
+once after loading (torch's mkldnn._reorder_linear_weight / _linear_pointwise, where a probe gives
+F.linear's result) makes the products faster, bit for bit in bf16. On a GPU: one row of 16-bit
+activations streams its weight through the skinny kernel (kernels/skinny_gemm.py) where the weight has
+at most SKINNY_MAX_WEIGHT elements or TMA reads it; on Hopper 2 to 64 rows of gate/up (with its
+SiLU-and-mul) and of o and down (split-K parts the next add + RMSNorm sums) take the tile kernel where
+kernels/tile_gemm.tile_for says so; everything else is F.linear.
 """
 from __future__ import annotations
 
@@ -59,12 +47,9 @@ def can_pack(dtype: torch.dtype) -> bool:
     return got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-# Layer weights up to this size go to the skinny kernel at one row; cuBLAS was as fast or faster on
-# larger ones (llama-3.2-1b's gate/up, llama-3.1-8b's qkv, gate/up and down; H200, KERNELS.md). LM
-# heads, far larger, stream faster again (ParallelLMHead asks streams_weight alone).
-# The same holds with the RMSNorm applied in the product: handing llama-3.2-1b's gate/up (2^25) to it
-# too made W-decode1 slower (1.119 vs 1.093 ms), though it saves a norm launch. Weights the kernel
-# reads through TMA (Hopper, rows of at most 1,024: skinny_gemm.uses_tma) stream at any size.
+# Layer weights up to this size go to the skinny kernel at one row (cuBLAS is as fast on larger ones,
+# with or without the norm in the product); LM heads, far larger, stream faster again (ParallelLMHead
+# asks streams_weight alone), and so do weights read through TMA (skinny_gemm.uses_tma), at any size.
 SKINNY_MAX_WEIGHT = 1 << 24
 
 
