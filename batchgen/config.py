@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 = fp8_e4m3 (float8_e4m3fn)
 DEVICES = ("auto", "cuda", "cpu")
 GENERATION_CONFIGS = ("auto", "none")  # auto: the model's generation_config.json gives sampling defaults
+
+
+def _env_on(name: str) -> bool:
+    """A switch that is on unless its environment variable is 0."""
+    return os.environ.get(name, "1") != "0"
 
 
 @dataclass
@@ -29,6 +35,9 @@ class EngineConfig:
     seed: int = 0  # job seed: rows without their own seed get one derived from (seed, id)
     trust_remote_code: bool = False  # only for tokenizers; batchgen never runs a checkpoint's model code
     generation_config: str = "auto"  # auto: sampling defaults from the model's generation_config.json; none: built-ins
+    # GPU features to turn off when debugging a GPU or driver problem (BATCHGEN_PDL=0, BATCHGEN_SYMM_ALL_REDUCE=0)
+    pdl: bool = field(default_factory=lambda: _env_on("BATCHGEN_PDL"))  # programmatic dependent launch, Hopper+
+    symmetric_all_reduce: bool = field(default_factory=lambda: _env_on("BATCHGEN_SYMM_ALL_REDUCE"))  # off: NCCL
 
     def __post_init__(self):
         def need(ok: bool, option: str, what: str):

@@ -14,8 +14,8 @@ read + written). Prefill attention also reports TFLOP/s (4 * D flops per visible
 One JSON line per measurement; a table last. --sweep also times block-size variants of the
 attention kernels, each checked against the default first (the tuning behind the defaults; see
 benchmarks/KERNELS.md). "unified" times unified attention (one launch for a mixed step) against the
-decode + prefill launches of the same step; "rope_store" the fused rope + KV store against the two
-ops. The issue #11 run: --only unified,rope_store --sweep --budget-s 100 (about 2 minutes).
+decode + prefill launches of the same step; "rope_store" the fused rope + KV store against its torch
+reference. The issue #11 run: --only unified,rope_store --sweep --budget-s 100 (about 2 minutes).
 "gemm" times the model's products (cuBLAS through F.linear, cuBLASLt, and at one row the skinny kernel
 with and without its SiLU-and-mul, with plain loads and, on Hopper, through TMA; at 2 to 64 rows on Hopper
 the tile kernel: o and down as split-K parts, gate/up also with its SiLU-and-mul against cuBLAS + the
@@ -37,23 +37,21 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from batchgen.kernels.decode_attention import (
     _decode_attention_launch,
-    num_sms,
     pick_num_splits,
     decode_attention_ref,
     decode_attention_triton,
 )
+from batchgen.kernels.device import num_sms
 from batchgen.kernels.prefill_attention import (
     _prefill_attention_launch,
     prefill_attention_ref,
     prefill_attention_triton,
 )
-from batchgen.kernels.rope_store_kv import rope_store_kv_triton
+from batchgen.kernels.rope_store_kv import rope_store_kv_ref, rope_store_kv_triton
 from batchgen.kernels.unified_attention import _unified_attention_launch, unified_attention_triton
 from batchgen.kernels.rmsnorm import add_rmsnorm_ref, add_rmsnorm_triton, rmsnorm_ref, rmsnorm_triton
-from batchgen.kernels.rotary import apply_rotary_ref, apply_rotary_triton
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 from batchgen.kernels.skinny_gemm import default_tile, skinny_gemm_triton, tma_ok, tma_supported, tma_tile
-from batchgen.kernels.store_kv import store_kv_ref, store_kv_triton
 from batchgen.kernels.tile_gemm import MAX_ROWS as TILE_MAX_ROWS, pick_tile, tile_gemm_supported, tile_gemm_triton
 
 MODELS = {
@@ -137,7 +135,6 @@ def rope_store_inputs(cfg, tokens):
 
 def bench_elementwise(model, cfg, copy_bw):
     hidden, inter = cfg["hidden"], cfg["inter"]
-    hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
     for tokens, phase in ELEMENTWISE_TOKENS:
         shape = f"{phase} T={tokens}"
         x = torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE)
@@ -152,14 +149,6 @@ def bench_elementwise(model, cfg, copy_bw):
         gu = torch.randn(tokens, 2 * inter, dtype=DTYPE, device=DEVICE)
         measure("silu_and_mul", model, shape, 3 * tokens * inter * ELEM, {
             "triton": lambda: silu_and_mul_triton(gu), "torch": lambda: silu_and_mul_ref(gu)}, copy_bw)
-
-        q, k, v, positions, cache, k_cache, v_cache, slots = rope_store_inputs(cfg, tokens)
-        measure("rotary", model, shape, 2 * tokens * (hq + hk) * d * ELEM + tokens * d * 4, {
-            "triton": lambda: apply_rotary_triton(q, k, positions, cache),
-            "torch": lambda: apply_rotary_ref(q, k, positions, cache)}, copy_bw)
-        measure("store_kv", model, shape, 4 * tokens * hk * d * ELEM, {
-            "triton": lambda: store_kv_triton(k, v, k_cache, v_cache, slots),
-            "torch": lambda: store_kv_ref(k, v, k_cache, v_cache, slots)}, copy_bw)
 
 
 # ---------------------------------------------------------------- attention inputs
@@ -420,17 +409,11 @@ def bench_rope_store(model, cfg, copy_bw):
     hq, hk, d = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
     for tokens, phase in ELEMENTWISE_TOKENS:
         args = rope_store_inputs(cfg, tokens)
-        q, k, v, positions, cache, k_cache, v_cache, slots = args
-
-        def unfused():
-            apply_rotary_triton(q, k, positions, cache)
-            store_kv_triton(k, v, k_cache, v_cache, slots)
-
         # q read + written, k and v read, k and v written to the cache, cos/sin read
         nbytes = (2 * hq + 4 * hk) * tokens * d * ELEM + tokens * d * 4
         measure("rope_store_kv", model, f"{phase} T={tokens}", nbytes, {
             "fused": lambda: rope_store_kv_triton(*args),
-            "unfused": unfused}, copy_bw)
+            "torch": lambda: rope_store_kv_ref(*args)}, copy_bw)
 
 
 # ---------------------------------------------------------------- table
@@ -479,7 +462,7 @@ def print_table():
 
 
 def print_issue11_table():
-    """unified attention against the split launches; fused rope + store against the two ops."""
+    """unified attention against the split launches; fused rope + store against its torch reference."""
     kinds = ("unified_attention", "rope_store_kv")
     rows, best = {}, fastest_variants(RECORDS, kinds)
     for r in RECORDS:
@@ -491,7 +474,7 @@ def print_issue11_table():
           f"{'padded us':>10} {'bw frac':>8} {'TFLOP/s':>8}  best swept variant")
     for (kind, model, shape), impls in rows.items():
         new = impls.get("unified") or impls.get("fused")
-        old = impls.get("split") or impls.get("unfused")
+        old = impls.get("split") or impls.get("torch")
         if new is None or old is None:
             continue
         padded = f"{impls['unified_padded']['ms'] * 1e3:.1f}" if "unified_padded" in impls else "-"
@@ -504,7 +487,7 @@ def print_issue11_table():
 # ---------------------------------------------------------------- products (cuBLAS)
 
 GEMM_BATCHES = [1, 2, 16, 64, 128, 144, 192, 208, 224, 256]
-PEAK_BF16_FLOPS = 790e12  # an H200's bf16 product on random data (the device tool's KINDS.md)
+PEAK_BF16_FLOPS = 790e12  # an H200's bf16 product on random data (as measured on the lent H200s)
 
 
 def bench_gemm(model, cfg, copy_bw):

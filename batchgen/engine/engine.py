@@ -89,6 +89,8 @@ class LLMEngine:
             "tensor_parallel_all_reduce": self.runner.tp.all_reduce_path,
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "seed": self.config.seed,
+            "pdl": self.config.pdl,
+            "symmetric_all_reduce": self.config.symmetric_all_reduce,
         }
 
     def request_preparer(self, defaults: SamplingParams) -> RequestPreparer:

@@ -44,7 +44,8 @@ class ModelRunner:
             self.max_model_len = min(self.max_model_len, model_cfg.sliding_window)
         default_budget = 8192 if self.device.type == "cuda" else 2048
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(default_budget, config.max_num_seqs)
-        self.model = build_model(model_cfg, model_dir, self.dtype, self.device, self.max_model_len, tp)
+        self.model = build_model(model_cfg, model_dir, self.dtype, self.device, self.max_model_len, tp,
+                                 pdl=config.pdl)
         if self.device.type == "cpu":
             keep_freed_memory()
             self.model.pack_weights()

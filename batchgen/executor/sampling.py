@@ -76,7 +76,7 @@ def _log_normaliser(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     is not finite), so that probabilities exp((x - top) - log_sum) keep fp32 precision however large
     the logits. Without subnormal exponentials: a term below e^-87 of the largest counts as e^-87
     (nothing at fp32 precision next to the largest's 1), a masked one (-inf) as 0; low temperatures
-    spread the scaled logits so far that most exponentials were subnormal, 20x slower on a CPU."""
+    spread the scaled logits so far that most exponentials were subnormal, far slower on a CPU."""
     top = x.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)
     below = (x - top).clamp(min=-87.0).masked_fill(x == float("-inf"), float("-inf"))

@@ -75,7 +75,7 @@ class TPWorkers:
             if device.type == "cuda":
                 torch.cuda.set_device(0)
                 device = torch.device("cuda", 0)
-            self.tp = connect(store_path, 0, size, device)
+            self.tp = connect(store_path, 0, size, device, config.symmetric_all_reduce)
         except BaseException as e:
             self.fail(e)
 
@@ -158,7 +158,7 @@ def worker_main(index, size, store_path, config, model_dir, device_type, steps, 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
             device = torch.device("cpu")
         life.send(("ready", None))
-        tp = connect(store_path, rank, size, device)
+        tp = connect(store_path, rank, size, device, config.symmetric_all_reduce)
         model_dir = Path(model_dir)
         runner = ModelRunner(config, model_dir, load_model_config(model_dir), tp)
         tokens = None  # the last step's sampled tokens, on the device

@@ -17,7 +17,8 @@ import triton
 
 from batchgen.executor.kv_cache import KVCache
 from batchgen.forward.batch import ForwardBatch
-from batchgen.kernels.decode_attention import dense_tile_batch_sizes, num_sms
+from batchgen.kernels.decode_attention import dense_tile_batch_sizes
+from batchgen.kernels.device import num_sms
 from batchgen.kernels.gumbel_argmax import gumbel_max
 from batchgen.kernels.token_bitmask import apply_token_bitmask
 from batchgen.executor.sampling import SamplingBatch, sample

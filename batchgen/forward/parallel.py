@@ -142,8 +142,10 @@ def _abort_quietly(group) -> None:
         pass
 
 
-def connect(store_path: str, rank: int, size: int, device: torch.device) -> TensorParallel:
-    """Join the engine's ranks through the FileStore at store_path (every rank calls this)."""
+def connect(store_path: str, rank: int, size: int, device: torch.device,
+            symmetric_all_reduce: bool = True) -> TensorParallel:
+    """Join the engine's ranks through the FileStore at store_path (every rank calls this, with the same
+    symmetric_all_reduce: EngineConfig's; False keeps every all-reduce on NCCL)."""
     store = dist.PrefixStore("tp", dist.FileStore(store_path, size))
     if device.type == "cuda":
         from torch.distributed import ProcessGroupNCCL
@@ -159,7 +161,7 @@ def connect(store_path: str, rank: int, size: int, device: torch.device) -> Tens
     if hasattr(group, "_set_sequence_number_for_group"):
         group._set_sequence_number_for_group()
     tp = TensorParallel(rank, size, group, device)
-    if device.type == "cuda" and tp.min_over_ranks(int(supported_here(rank, size, device))):
+    if device.type == "cuda" and tp.min_over_ranks(int(symmetric_all_reduce and supported_here(rank, size, device))):
         max_programs = tp.min_over_ranks(torch.cuda.get_device_properties(device).multi_processor_count)
         symmetric = open_symmetric(store, rank, size, device, group, store_path, max_programs)
         tp = dataclasses.replace(tp, symmetric=symmetric)

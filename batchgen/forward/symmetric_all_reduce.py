@@ -1,33 +1,19 @@
-"""All-reduces through symmetric memory, for GPUs that reach each other's memory (NVLink, P2P).
+"""All-reduces through symmetric memory, for GPUs that reach each other's memory (NVLink, P2P): a
+decode step's small all-reduces take torch's two-shot kernel (`torch.ops.symm_mem`, in place: the
+same sums as NCCL, bit for bit, in less time) instead of NCCL's ring.
 
-A decode step all-reduces [rows, hidden] twice a layer. On two H200s (NVLink, inside CUDA graphs)
-NCCL's ring took 16 us for one row of 4096 bf16 and 37 us for 256 rows; torch's two-shot kernel
-over symmetric memory (`torch.ops.symm_mem`) 6 and 13 us, with the same sums bit for bit
-(benchmarks/KERNELS.md). Each rank copies its tensor into a buffer that every rank has mapped; the
-kernel sums one slice of the elements per rank, reading every rank's buffer, then gathers the sums
-into every rank's buffer, in place (torch's out-of-place variant took 15.0 us against 10.9 for
-[192, 4096] bf16 on 2xH200: KERNELS.md, session 10). Row-parallel products write their partial sums
-straight into that buffer where they can (TensorParallel.reduce_buffer), which saves the copy. It
-meets the peers through signal flags in that memory, so it stays in order with the step's other
-kernels and CUDA graphs capture it like any kernel.
-
-After a row-parallel product the layer's add + RMSNorm follows the sum: where the product wrote
-into the buffer, `all_reduce_add_rmsnorm` does both in one kernel (kernels/all_reduce_rmsnorm.py)
-over the same allocation, which also holds that kernel's output rows and its flags.
-BATCHGEN_ALL_REDUCE_NORM=0 keeps them apart (the two-shot kernel, then the norm's own).
-
-Larger tensors (prefill chunks over 64 MiB) stay with NCCL, and so do other dtypes and GPUs without
-peer access. With more than two ranks the limit is 2 MiB and the fused norm is off (at four ranks
-both together were slower: MAX_BYTES's comment). BATCHGEN_SYMM_ALL_REDUCE=0 turns symmetric memory off.
-
-NCCL's abort cannot reach this kernel. A rank killed in the middle of a job still gives the engine's
-one clear error and rank 0 closes and exits (tests/gpu/test_symmetric_all_reduce_gpu.py).
+Each rank copies its tensor into a buffer every rank has mapped (row-parallel products write their
+partial sums there directly: TensorParallel.reduce_buffer); the kernel meets its peers through flags
+in that memory, so CUDA graphs capture it like any kernel. Where the product wrote into the buffer,
+`all_reduce_add_rmsnorm` also does the add + RMSNorm after it (kernels/all_reduce_rmsnorm.py), at two
+ranks. Larger tensors, other dtypes and GPUs without peer access stay with NCCL;
+EngineConfig.symmetric_all_reduce = False turns it off. A rank killed mid-job still gives the
+engine's one clear error (NCCL's abort cannot reach this kernel; tests/gpu/test_symmetric_all_reduce_gpu.py).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -38,21 +24,18 @@ log = logging.getLogger(__name__)
 
 # torch's rendezvous (2.11 at least) numbers the store exchanges it makes with a counter per process:
 # a process's second engine would meet fresh workers (counters at 0) with its counter further on, and
-# every rank would wait for keys the others never write (it hung so on 2xH200). So only the first
+# every rank would wait for keys the others never write (it hung so). So only the first
 # tensor-parallel engine of a process uses symmetric memory; later ones use NCCL.
 _opened_in_this_process = False
 
-# 64 MiB: a prefill step of 8,192 tokens of hidden 4096 (two-shot 214 us against NCCL's 247 on 2xH200,
-# benchmarks/KERNELS.md session 14); NCCL above it. Twice this a rank (sums and normed rows). At two
-# ranks only: on 4xH200 (session 15) the fused kernel is correct at four ranks (its GPU test), but
-# llama-3.1-8b W-offline at TP=4 ran 4.7% slower with it and the 64 MiB than with the 2 MiB of decode
-# steps and the norm's own kernel, which more ranks keep.
+# 64 MiB: a prefill step of 8,192 tokens of hidden 4096 (still faster than NCCL); NCCL above it. Twice
+# this a rank (sums and normed rows). At two ranks only: more ranks keep the 2 MiB of decode steps and
+# the norm's own kernel (the fused kernel is correct at four ranks, but slower end to end there).
 MAX_BYTES = 64 << 20
 MAX_BYTES_MORE_RANKS = 2 << 20
 FUSED_NORM_RANKS = 2  # the world size the fused add + RMSNorm runs at
 DTYPE = torch.bfloat16  # the dtype it was measured in
 ELEMENT_MULTIPLE = 64  # numel a multiple of this: every rank's slice stays 16-byte aligned
-FUSE_NORM = os.environ.get("BATCHGEN_ALL_REDUCE_NORM", "1") != "0"
 
 
 class SymmetricAllReduce:
@@ -65,12 +48,12 @@ class SymmetricAllReduce:
         self.buffer = allocation[:elements]  # mapped by every rank: partial sums in, sums out
         self.normed = allocation[elements: 2 * elements]  # all_reduce_add_rmsnorm's output
         self.bases, self.rank, self.max_programs = bases, rank, max_programs
-        self.fuse_norm = FUSE_NORM and bases.numel() == FUSED_NORM_RANKS
+        self.fuse_norm = bases.numel() == FUSED_NORM_RANKS
         self._normed_offset, self._flags_offset = elements * DTYPE.itemsize, 2 * elements * DTYPE.itemsize  # bytes
         self._reduce_in_place = torch.ops.symm_mem.two_shot_all_reduce_
 
     def takes_partials(self, x: torch.Tensor) -> bool:
-        """all_reduce_add_rmsnorm can take x: the fused kernel is on (FUSE_NORM, two ranks) and x is
+        """all_reduce_add_rmsnorm can take x: the fused kernel is on (two ranks) and x is
         staging()'s view, where a product wrote its partial sums."""
         return self.fuse_norm and x.data_ptr() == self.buffer.data_ptr()
 
@@ -134,7 +117,7 @@ def supported_here(rank: int, size: int, device: torch.device) -> bool:
     """This rank could take part: a CUDA device that reaches every other rank's GPU directly, and a
     torch that has the two-shot kernel and the process-group calls open_symmetric makes. Every rank
     must agree before the (collective) set-up."""
-    if device.type != "cuda" or size < 2 or os.environ.get("BATCHGEN_SYMM_ALL_REDUCE", "1") == "0":
+    if device.type != "cuda" or size < 2:
         return False
     if _opened_in_this_process:  # (a later engine: see _opened_in_this_process)
         log.info("tensor parallelism: NCCL all-reduces (symmetric memory serves only a process's first engine)")

@@ -13,9 +13,7 @@ staged inputs (`rows[num_decode:]`, the seeds after the top-k values), are
 `do_not_specialize_on_alignment`: their loads are per row, where alignment buys nothing.
 """
 from batchgen.kernels.rmsnorm import add_rmsnorm, rmsnorm
-from batchgen.kernels.rotary import apply_rotary
 from batchgen.kernels.silu_and_mul import silu_and_mul
-from batchgen.kernels.store_kv import store_kv
 from batchgen.kernels.rope_store_kv import rope_store_kv
 from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.decode_attention import decode_attention
@@ -26,9 +24,7 @@ from batchgen.kernels.token_bitmask import apply_token_bitmask
 __all__ = [
     "rmsnorm",
     "add_rmsnorm",
-    "apply_rotary",
     "silu_and_mul",
-    "store_kv",
     "rope_store_kv",
     "prefill_attention",
     "decode_attention",

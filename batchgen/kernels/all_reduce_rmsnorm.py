@@ -1,36 +1,16 @@
 """All-reduce + residual add + RMSNorm in one kernel, over symmetric memory (tensor parallelism).
 
-After a row-parallel product (o or down) every rank r of W holds partial sums P_r [M, H] in a buffer
-that every rank has mapped (forward/symmetric_all_reduce.py). The layer then needs, on every rank,
+After a row-parallel product each rank r of W holds partial sums P_r [M, H] in a buffer that every
+rank has mapped (forward/symmetric_all_reduce.py); every rank needs
 
     s = P_0 + ... + P_{W-1}           (rank order, fp32, rounded to the dtype: an all-reduce's sum)
     x = s + residual                  (rounded: the new residual)
     y = rmsnorm(x) * weight           (rounded as kernels/rmsnorm.py rounds)
 
-Rank r computes the rows [r ceil(M/W), (r+1) ceil(M/W)) only: it reads those rows of every rank's
-P, writes x into its own residual and y into every rank's output buffer. So the residual is kept
-by rows: each rank's residual is right on its own rows only, and the next call (same M, the same
-rows) reads only those. This is a two-shot all-reduce (reduce-scatter, all-gather) with the norm
-between its halves: the separate norm kernel and its full-size pass over [M, H] are gone.
-
-Two barriers over flags in the same symmetric memory, per program: before the reads (program p of
-every rank has started, so that rank's product, which ran before it in the stream, is complete) and
-after the writes (program p of every rank has written its rows of y everywhere). A flag is set with
-a release store at system scope and taken back to 0 by the waiter with an acquire compare-and-swap,
-so each barrier leaves the flags at 0. Why that is enough to reuse the buffers in the next call: a
-rank's next product writes its P only after its every program passed the second barrier, i.e. after
-every peer has read it; a peer writes y into this rank's output only after the first barrier of its
-next call, i.e. after this rank's product that read y has run. The kernel waits for peers, so its
-grid must be co-resident: at most one program an SM (`max_programs`). It is launched without PDL
-(it needs the product before it complete) and never lets the next kernel start early.
-
-Only forward/symmetric_all_reduce.py launches it (GPUs with peer access; two ranks: the kernel is
-written for any W and gives the same rows at four, but was slower end to end there); everywhere else
-the ranks sum through NCCL or gloo and kernels/rmsnorm.py's add_rmsnorm follows. The reference below is what
-every rank should get (tests/gpu/test_all_reduce_rmsnorm_gpu.py checks the kernel against it and
-against NCCL + add_rmsnorm bit for bit). 2xH200 (benchmarks/KERNELS.md, session 14), graph replays,
-[rows, 4096] bf16, µs against the two-shot all-reduce then the norm: 1 row 7.4 vs 8; 256 rows 12.5
-vs 15.9; 8,192 rows 213 vs 280.
+Rank r computes rows [r ceil(M/W), (r+1) ceil(M/W)) only: x into its own residual (right on its own
+rows only: the next call reads only those), y into every rank's output buffer. Two flag barriers a
+program, before the reads and after the writes, make the buffers safe to reuse; the grid must be
+co-resident (at most one program an SM), and the kernel is launched without PDL.
 """
 from __future__ import annotations
 

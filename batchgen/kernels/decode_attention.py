@@ -4,22 +4,13 @@ token's own K/V is already stored). GQA: query head h reads KV head h // (Hq / H
 
     o_i = softmax(q_i K_i^T * scale) V_i
 
-The Triton version is flash-decoding in two launches. Each sequence's context is cut into at most C
-splits of S_i = ceil(kv_lens[i] / C) keys (rounded up to BLOCK_N), S_i computed on the device.
-Stage 1: program (kv head, c, j) takes split c = [c * S_i, (c + 1) * S_i) of sequence i = schedule[0, j]
-(the sequences longest context first, so that no long one starts last: kernels/longest_first.py) and
-all G = Hq / Hk query heads of the kv head at once (one [G, BLOCK_N] tile per step, so the keys
-and values are read once per group), and writes for each query head, with s = q.k * scale * log2(e),
+Flash-decoding in two launches. Stage 1: program (kv head, c, j) takes split c of S_i =
+ceil(kv_lens[i] / C) keys (rounded up to BLOCK_N) of sequence i = schedule[0, j] (longest context
+first: kernels/longest_first.py), all G = Hq / Hk query heads at once, and writes, with
+s = q.k * scale * log2(e),
     lse_c = m_c + log2(sum_{p in c} 2^(s_p - m_c)),   o_c = sum_{p in c} 2^(s_p - lse_c) v_p
-(m_c: max of s over the split). Splits that start past kv_lens[i] write nothing.
-Stage 2: program (i, q head) merges the C_i = ceil(kv_lens[i] / S_i) splits of the sequence:
-    o = sum_c 2^(lse_c - lse) o_c,   lse = log2(sum_c 2^lse_c)
-With C = 1 (many sequences: a big batch fills the GPU without splitting) stage 1 writes o itself
-and stage 2 is not launched (it cost ~6 us a layer at 256 sequences on an H200).
-A sequence with kv_lens[i] == 0 gets o = 0 (the reference gives NaN).
-The grid (Hk, C, B) comes from host ints only (C from B, Hk, the SM count and max_kv_len): no host
-sync, and since the split length follows each sequence's own length, a CUDA graph captured with
-max_kv_len = the table width spreads short and long contexts alike over its C splits.
+Stage 2: program (i, q head) merges the splits: o = sum_c 2^(lse_c - lse) o_c, lse = log2(sum_c 2^lse_c).
+With C = 1 stage 1 writes o itself. kv_lens[i] == 0 gives o = 0. The grid comes from host ints only.
 """
 import math
 
@@ -28,11 +19,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from batchgen.kernels.longest_first import longest_first
-from batchgen.kernels.pdl import (
-    let_next_kernel_start, pdl_launch_args, wait_for_prior_kernels, wait_only_for_prior_kernels,
+from batchgen.kernels.device import (
+    let_next_kernel_start, num_sms, pdl_launch_args, wait_for_prior_kernels, wait_only_for_prior_kernels,
 )
-from batchgen.kernels.store_kv import query_for_kv_dot
+from batchgen.kernels.longest_first import longest_first
+from batchgen.kernels.kv_dtype import query_for_kv_dot
 
 
 # num_splits follows the batch and its lengths, index arrays are views: neither specialized (kernels/__init__.py)
@@ -67,7 +58,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D, at least 16
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_only_for_prior_kernels(PDL)  # (the next kernel starts as the programs finish reading: below)
     # The kv heads of one (sequence, split) run side by side: they read neighbouring bytes of
@@ -148,7 +139,7 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_N: tl.constexpr,  # keys per step of stage 1 (S_i is a multiple of it)
     BLOCK_D: tl.constexpr,  # next power of 2 >= D
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_for_prior_kernels(PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -177,28 +168,8 @@ def _decode_merge_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def device_index(device: torch.device) -> int:
-    """A CUDA device's index ("cuda" alone: the current device)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def num_sms(device: torch.device) -> int:
-    index = device_index(device)
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
-
-
-# (BLOCK_N, warps, stages), tuned on an H200 for 16-bit queries (benchmarks/KERNELS.md); fp32 and
-# head_dim > 128 take small tiles that fit anywhere. Head_dim 64 with at least DENSE_PROGRAMS_PER_SM
-# programs an SM (llama-3.2-1b from 132 sequences): smaller tiles, more of them resident, the sequences
-# longest first (kernels/longest_first.py): 6-12% less time than (128, 4, 2) at 160-256 sequences.
-# From DENSEST_PROGRAMS_PER_SM (llama-3.2-1b from 198 sequences) one warp a program: on the engine's own
-# W-offline steps, 3.7-4.9% less time than (64, 2, 3) at 256, 251 and 202 sequences, 5.7% more at 143
-# (KERNELS.md, session 29).
+# (BLOCK_N, warps, stages) for 16-bit queries; fp32 and head_dim > 128 take small tiles that fit anywhere.
+# Head_dim 64 with many programs an SM: smaller tiles, more of them resident, then one warp a program.
 TILE_HEAD_DIM_64 = (128, 4, 3)
 TILE_HEAD_DIM_64_DENSE = (64, 2, 3)
 TILE_HEAD_DIM_64_DENSEST = (64, 1, 3)

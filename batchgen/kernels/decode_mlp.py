@@ -4,24 +4,11 @@
     g, u = n W_gate^T, n W_up^T                              (each rounded to the model's dtype)
     sum += (silu(g) * u) W_down^T                            (fp32; silu(g) * u not rounded)
 
-At one row, the norm kernel, the gate/up product and the down product are three streams of weights
-with a kernel boundary between each, and the norm kernel is all latency. Here program p owns BLOCK_J
-rows of the intermediate: it streams its rows of W_gate and W_up (norming x as it reads it), takes
-silu(g) * u for them, then streams its rows of W_down^T [I, H] (the down weight transposed, so that
-a program's share is contiguous: W_down's own columns, 2 * BLOCK_J bytes a row, read at a third of
-the speed) and adds its [H] share of the down product into `sum` with fp32 atomics. Each chunk's
-loads are issued before the chunk before it is summed (two chunks in flight a program).
-
-`sum` must be zero when the kernel starts: program 0 zeroes `next_sum`, the next layer's sum, which
-nothing reads any more by then (layers/one_row_mlp.py keeps one a layer). The next add + RMSNorm reads
-the sum (the skinny qkv product's norm, or the norm kernel taking it as one split-K part), rounding
-it to the model's dtype first as a product's output would be. The atomics make the order of the fp32
-sum vary from run to run (about one fp32 rounding; the rounding to 16 bits mostly absorbs it).
-
-On an H200, llama-3.2-1b's MLP in graph replays of 16 layers: 29.5 us against 31.6-32.3 for the norm
-kernel, cuBLAS's gate/up and the skinny down with SiLU-and-mul (benchmarks/KERNELS.md, session 19).
-For H = 2,048 decode_mlp() takes kernels/decode_mlp_gluon.py's persistent kernel instead where its
-start-up check passed (28.1 against 30.1 us: this kernel's 512 programs run two an SM, in two waves).
+At one row the three are streams of weights, and a kernel boundary between each is all latency.
+Program p owns BLOCK_J rows of the intermediate: it streams its rows of W_gate and W_up (norming x as
+it reads), then its rows of W_down^T [I, H] (contiguous, unlike W_down's columns), and adds its [H]
+share into `sum` with fp32 atomics (their order varies: about one fp32 rounding). `sum` must be zero
+on entry: program 0 zeroes `next_sum`, the next layer's (layers/one_row_mlp.py keeps one a layer).
 """
 from __future__ import annotations
 
@@ -29,17 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.decode_mlp_gluon import decode_mlp_gluon
-from batchgen.kernels.decode_mlp_gluon import usable as gluon_usable
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rmsnorm import add_residual, add_rmsnorm_ref
 
 
 @triton.jit
 def _normed(x_ptr, res_ptr, norm_w_ptr, k, rstd):
-    """rmsnorm(x + r) * w at columns k, in fp32, rounded as kernels/rmsnorm.py rounds it. The skinny
-    product's _input_values computes the same with masked loads (BLOCK_K divides H here): through it,
-    W-decode1 measured 0.916 against 0.905 ms a token, one run each (KERNELS.md, session 19)."""
+    """rmsnorm(x + r) * w at columns k, in fp32, rounded as kernels/rmsnorm.py rounds it (unmasked:
+    BLOCK_K divides H here)."""
     r = tl.load(res_ptr + k)
     summed = add_residual(tl.load(x_ptr + k), r)
     w = tl.load(norm_w_ptr + k).to(tl.float32)
@@ -63,7 +47,7 @@ def _decode_mlp_kernel(
     BLOCK_K: tl.constexpr,  # columns of W_gate / W_up a chunk (divides H)
     BLOCK_H: tl.constexpr,  # columns of W_down^T a chunk (divides H)
     H_POW2: tl.constexpr,  # H rounded up to a power of two: the row in one load
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     pid = tl.program_id(0)
     j = pid * BLOCK_J + tl.arange(0, BLOCK_J)
@@ -119,8 +103,7 @@ Tile = tuple[int, int, int, int]  # (BLOCK_J, BLOCK_K, BLOCK_H, warps)
 
 
 def default_tile(hidden: int) -> Tile:
-    """Swept on an H200 (KERNELS.md, session 19), graph replays of 16 layers: llama-3.2-1b (H = 2048)
-    fastest at (16, 256, 1024, 4 warps), within 2% of (32, 128, 512, 4), llama-3.1-8b's best."""
+    """(BLOCK_J, BLOCK_K, BLOCK_H, warps) for a hidden size H (chunks that divide H)."""
     pow2 = hidden & -hidden  # the largest power of two that divides H
     return (16, min(256, pow2), min(1024, pow2), 4)
 
@@ -169,11 +152,9 @@ def decode_mlp(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     w_gate_up: torch.Tensor, w_down_t: torch.Tensor, out_sum: torch.Tensor, next_sum: torch.Tensor,
 ) -> torch.Tensor:
-    """decode_mlp_triton's contract: on a GPU the kernel (kernels/decode_mlp_gluon.py's where its check
-    passed), the reference's sum added elsewhere."""
+    """decode_mlp_triton's contract: the kernel on a GPU, the reference's sum added elsewhere."""
     if x.is_cuda:
-        kernel = decode_mlp_gluon if gluon_usable(x.device, residual.dtype, w_down_t.shape[1]) else decode_mlp_triton
-        return kernel(x, residual, norm_weight, eps, w_gate_up, w_down_t, out_sum, next_sum)
+        return decode_mlp_triton(x, residual, norm_weight, eps, w_gate_up, w_down_t, out_sum, next_sum)
     total, new_residual = decode_mlp_ref(x, residual, norm_weight, eps, w_gate_up, w_down_t)
     out_sum += total
     next_sum.zero_()

@@ -1,54 +1,27 @@
-"""The one-row MLP of kernels/decode_mlp.py (same contract, same rounding) as a persistent kernel in
-Gluon, Triton's dialect with explicit layouts, where the installed Triton has it and a start-up check
-passed (`check`), for H = 2,048 (llama-3.2-1b's: the shape measured).
+"""kernels/decode_mlp.py's one-row MLP (same contract and rounding), H = 2,048, as a persistent Gluon kernel.
 
     P = min(the SM count, I / BJ);  program p owns the blocks p, p + P, p + 2P, ... of BJ = 8 rows
 
-Every block is three tiles [BJ, H]: its gate rows, its up rows and its rows of W_down^T. TMA copies
-the tiles into a ring of TILES = 7 slots of shared memory, one mbarrier a slot: the program issues
-its first 7 tiles before the PDL wait (weights depend on no kernel) and refills each slot as soon as
-all warps have read it, so ~2 blocks stay in flight while a block is summed.
-Gate and up are each a warp's sum over its row (one row a warp), SiLU-and-mul gives the block's 8
-activations, and the W_down^T tile is read with all 8 rows of a column group in one thread, so the
-down product's sum over the block stays in the thread. The program's [H] share of the down product
-stays in registers over its blocks and is added into `sum` once (fp32 atomics: P adds of [H], where
-kernels/decode_mlp.py's 512 programs add 512).
+A block is three tiles [BJ, H]: its gate rows, up rows and rows of W_down^T, copied by TMA into a ring
+of TILES slots of shared memory (one mbarrier a slot); the first tiles are issued before the PDL wait
+and each slot is refilled once every warp has read it. A warp sums one gate/up row; a thread holds a
+column group of all BJ rows of W_down^T, so the down product's sum over a block stays in the thread,
+and the program adds its [H] share into `sum` once (fp32 atomics). The same ring serves one-row
+products whose weight fits it whole (`row_product_gluon`, where `row_product_takes` says so).
 
-Why this shape (graph replays of 16 layers of llama-3.2-1b, H200; KERNELS.md, sessions 20 and 21):
-- kernels/decode_mlp.py's 512 programs of 16 rows take 250 registers a thread, two programs an SM in
-  two waves, so the SMs end unevenly (30.1 us a layer);
-- one program an SM with the next block's rows in registers (session 20's form) took 28.1 us: its
-  loads in flight were what registers hold; a ring of 6 tiles (2 blocks, 159 registers) took 26.5 us,
-  7 tiles refilled a tile at a time 26.2 us;
-- blocks dealt round-robin (p, p + P, ...) rather than a contiguous range a program: at any moment
-  the SMs read neighbouring rows (a ring of 2 blocks: 26.7 against 27.2 us);
-- the ring's bound, TMA loads alone: 24.3 us; a plain stream of the same bytes: 23.4 us.
-W-decode1: 0.829 ms a token, against 0.868 with session 20's form and 0.904 with the Triton kernel.
-A Triton kernel cannot put a block's rows in one thread for the down product's sum (its layouts are
-the compiler's), which made such blocks slow there.
-
-The same ring serves one-row products x [1, H] @ W^T whose W fits it whole (at most TILES blocks of 8
-rows an SM: llama-3.2-1b's o, 8 MB): `row_product_gluon`, which kernels/skinny_gemm.skinny_gemm takes
-where `row_product_takes` says so. Its programs issue their every tile before the PDL wait, while the
-attention before them runs, whose programs leave the SM's shared memory free (3.3 against 3.7 us a
-product alone, W-decode1 0.820 / 0.821 against 0.825 / 0.825 ms; H200, KERNELS.md session 21).
-
-Gluon is experimental: the kernel is compiled and checked against the Triton kernel once a device
-(`check`, at start-up, before any CUDA graph), and the engine takes it only where that passed (one
-that fails to compile, e.g. on a GPU with less shared memory, leaves the Triton kernel).
-BATCHGEN_GLUON_MLP=0 turns it off (BATCHGEN_GLUON_ROW=0 the row product, whose check runs at its first
-call outside CUDA graph capture: the engine's warm-up).
+Gluon is experimental: each kernel is checked against the Triton one once a device (the MLP's at
+start-up, the row product's at its first call outside graph capture); a failure leaves the Triton one.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 
-from batchgen.kernels.decode_attention import device_index, num_sms
-from batchgen.kernels.pdl import pdl_launch_args
+from batchgen.kernels.decode_mlp import decode_mlp_triton
+from batchgen.kernels.device import device_index, num_sms, pdl_launch_args
+from batchgen.kernels.skinny_gemm import skinny_gemm_triton
 
 try:
     from triton.experimental import gluon
@@ -66,8 +39,6 @@ except Exception:  # noqa: BLE001 (a Triton without Gluon, or with another one: 
 HIDDEN = 2048  # H taken: 256 columns a warp-row times NUM_WARPS, one column group a thread
 NUM_WARPS = 8  # = BJ, the rows of a block (one a warp)
 # The shared-memory ring, in tiles of [BJ, H] (32 KB at 16 bits): 7 fill 224 of an H100's or H200's 227 KB
-# a block (W-decode1 0.832 against 0.845 ms a token with 6, each block's refilled together; H200,
-# KERNELS.md session 21)
 TILES = 7
 TMA_COLS = 256  # a weight row is read as H / 256 rows of 256 (a TMA box side is at most 256)
 _CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> check passed
@@ -155,7 +126,7 @@ def _decode_mlp_gluon_kernel(
     H, I,  # (arguments as kernels/decode_mlp.py's)
     NW: gl.constexpr,  # warps = rows of a block
     NT: gl.constexpr,  # tiles in the shared-memory ring
-    PDL: gl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: gl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     BJ: gl.constexpr = NW
     HC: gl.constexpr = 256 * NW  # == H
@@ -170,7 +141,7 @@ def _decode_mlp_gluon_kernel(
     blocks = gl.cdiv(gl.cdiv(I, BJ) - pid, P)  # the program's blocks: pid, pid + P, ... (BJ rows each)
     for T in gl.static_range(NT):  # the first tiles before the PDL wait (weights: no dependency)
         _issue_tile(gate_desc, up_desc, down_desc, ring, bars, 0, T, NT, pid, P, blocks)
-    if PDL:  # kernels/pdl.py's wait_for_prior_kernels
+    if PDL:  # kernels/device.py's wait_for_prior_kernels
         cuda_extra.gdc_wait()
         cuda_extra.gdc_launch_dependents()
 
@@ -190,8 +161,7 @@ def _decode_mlp_gluon_kernel(
 
     out = gl.zeros([HC], gl.float32, gl.SliceLayout(0, LD))  # this program's share of the down product
     for b in range(blocks):
-        # each slot refilled as soon as every warp has read it (W-decode1 0.829 against 0.834 ms a token
-        # with the block's three refilled together; H200, KERNELS.md session 21)
+        # each slot refilled as soon as every warp has read it (not the block's three together)
         gate_w = _slot_rows(ring, bars, 3 * b, NT, BJ, HC).load(LG)
         _refill(gate_desc, up_desc, down_desc, ring, bars, b, NT, NT, pid, P, blocks)
         up_w = _slot_rows(ring, bars, 3 * b + 1, NT, BJ, HC).load(LG)
@@ -241,10 +211,9 @@ def _row_product_gluon_kernel(x_ptr, w_desc, y_ptr, N, NW: gl.constexpr, NT: gl.
         gl.store(y_ptr + n, gl.sum(w.to(gl.float32) * x, axis=1).to(y_ptr.dtype.element_ty), mask=n < N)
 
 
-def _gluon_allowed(device: torch.device, switch: str) -> bool:
-    """What both checks need before they compile: Gluon here, a Hopper or later GPU, the kernel's
-    switch (an environment variable) not 0."""
-    return gluon is not None and os.environ.get(switch, "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+def _gluon_allowed(device: torch.device) -> bool:
+    """What both checks need before they compile: Gluon here, a Hopper or later GPU."""
+    return gluon is not None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 _ROW_CHECKED: dict[tuple[int, torch.dtype], bool] = {}  # (device index, dtype) -> the row product's check passed
@@ -271,9 +240,8 @@ def row_product_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _row_passes(device: torch.device, dtype: torch.dtype) -> bool:
     """Compiled and compared with the skinny kernel on random inputs (within 1e-4 of the scale: fp32
     sums in another order); any failure leaves the skinny kernel."""
-    if not _gluon_allowed(device, "BATCHGEN_GLUON_ROW"):
+    if not _gluon_allowed(device):
         return False
-    from batchgen.kernels.skinny_gemm import skinny_gemm_triton
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(1, HIDDEN, generator=gen, device=device).to(dtype)
     w = (torch.randn(1000, HIDDEN, generator=gen, device=device) * HIDDEN**-0.5).to(dtype)
@@ -307,7 +275,7 @@ def usable(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
 
 def check(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
     """Once a (device, dtype), outside any CUDA graph: where Gluon is there, on Hopper or later, H =
-    HIDDEN and BATCHGEN_GLUON_MLP is not 0, compile the kernel and compare it with the Triton kernel
+    HIDDEN, compile the kernel and compare it with the Triton kernel
     on random inputs (the same x + residual bit for bit, the sums within two bf16 roundings of the
     sum's scale). Any failure (an older or newer Gluon that does not compile it) leaves the Triton
     kernel in use. -> whether `usable` now says yes."""
@@ -318,10 +286,8 @@ def check(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
 
 
 def _passes(device: torch.device, dtype: torch.dtype, hidden: int) -> bool:
-    if dtype not in (torch.float16, torch.bfloat16) or not _gluon_allowed(device, "BATCHGEN_GLUON_MLP"):
+    if dtype not in (torch.float16, torch.bfloat16) or not _gluon_allowed(device):
         return False
-    from batchgen.kernels.decode_mlp import decode_mlp_triton
-
     gen = torch.Generator(device=device).manual_seed(0)
     inter = 1000  # (not a multiple of the block: partial blocks)
 

@@ -5,34 +5,21 @@
     n = -ln(-ln u),  u = hash(seed, step, id): id = the token id, or 2^31 + g for group g
     (T = 0: token = argmax_v logits[v], the first)
 
-P(group g) = Z_g / Z (the Gumbel-max of the groups' log-masses) and P(v | g) = exp(x_v) / Z_g, so P(v)
-is the softmax of x: the same law as one noise a token, with the noise made once a group of 8 and for
-the 8 tokens of the chosen group only. A noise is a 32-bit hash and two logs; a token's share of the
-group's mass is an exp2 and a max, so the kernel reads the logits at close to the read rate: 30 against
-60 us for 256 rows of a 128k vocabulary (H200, benchmarks/KERNELS.md, session 28). Group ids start at
-2^31, above every token id, so no group shares a token's noise (the hash is a bijection of 32 bits).
-
-u is a pure function of (seed, step, id), so a row's sample never depends on the other rows of the
-batch, and a request recomputed after preemption draws the same tokens. The hash is a 32-bit integer
-mix (two multiply-xorshift rounds); 23 of its bits make u in (0, 1): with 24, bits + 0.5 rounded to
-2^24 in fp32 for the top half-unit, u was 1 and the noise +inf. The Triton kernels read each row of
-logits once: programs over (ROWS rows, a part of the vocabulary) keep a running best group per lane,
-then one program per row takes the first best part's group and draws its token. A vocabulary shard
-under tensor parallelism is whole groups (layers/embedding.py): each rank's best group score and token
-compare across ranks as one kernel's (engine/shard_sampling.py).
-
-The reference makes the same scores with torch ops and exact logs; the kernel's differ by a few fp32
-ulps (lg2.approx, ex2.approx), so a token can differ from the reference's only on a near-tie.
+P(group g) = Z_g / Z and P(v | g) = exp(x_v) / Z_g, so P(v) is the softmax of x, with noise made once
+a group and for the chosen group's tokens only. u is a pure function of (seed, step, id) (a 32-bit
+integer mix, 23 bits into (0, 1)), so a row's sample never depends on the other rows, and a request
+recomputed after preemption draws the same tokens. A vocabulary shard under tensor parallelism is
+whole groups (layers/embedding.py). The kernel's logs are approximate (lg2.approx, ex2.approx): a
+token can differ from the reference's only on a near-tie.
 """
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import interpreting, pdl_launch_args, wait_for_prior_kernels
 
 _M32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # multiplier of both mix rounds
@@ -50,7 +37,7 @@ def _hash32(x):
 _NEG_LN2 = tl.constexpr(-0.6931471805599453)  # (tensor * constexpr: a constexpr first is not a tensor op)
 _SALT = tl.constexpr(_TOKEN_SALT)
 # lg2.approx is a GPU instruction; the CPU interpreter (tests) has no libdevice and takes the exact log2
-_APPROX_LOG2 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+_APPROX_LOG2 = tl.constexpr(not interpreting())
 
 
 @triton.jit
@@ -120,7 +107,7 @@ def _best_group_parts_kernel(
     ROWS: tl.constexpr,  # rows a program: a group's id is hashed once for all of them
     GROUPS: tl.constexpr,  # groups an iteration
     GROUP: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     """Score of group g: ln Z_g + n_g for a sampled row (Z_g = sum 2^(y - top) * 2^top, y = x log2(e) / T,
     in log2 units until the end); the largest logit of the group for a greedy row."""
@@ -183,7 +170,7 @@ def _token_of_best_group_kernel(
     GROUP: tl.constexpr,
     WRITE_BEST: tl.constexpr,
     KEEP: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     """A row's first best part -> its group -> the token: argmax of x_v / T + n_v over the group
     (of the logits for a greedy row), the first at the maximum."""
@@ -208,8 +195,7 @@ def _token_of_best_group_kernel(
         tl.store(best_ptr + row, tl.load(part_max_ptr + row * num_parts + part))
 
 
-# 2 rows of 64 groups a program: 30 us at 256 rows of a 128k vocabulary in bf16, 43 in fp32 (H200,
-# benchmarks/KERNELS.md, session 28); 4 rows, 8 warps or 128 groups an iteration within 1-3 us of it
+# 2 rows of 64 groups a program (the fastest of those tried)
 ROWS = 2
 GROUPS = 64
 BLOCK = GROUPS * GROUP

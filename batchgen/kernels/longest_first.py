@@ -1,26 +1,19 @@
-"""The order in which decode attention visits a step's sequences: longest context first.
-
-Decode attention runs one program per (kv head, split, sequence), and the GPU starts programs in
-grid order. Contexts in a batch differ up to tenfold (W-offline: 100 to 2,000 tokens); a long one
-started last runs alone while the SMs around it idle. Longest first (the classic rule for jobs on
-parallel machines) leaves the short programs for the end, where they fill the gaps: 7-9% less time at
-128-256 sequences on an H200 (benchmarks/KERNELS.md, session 25).
+"""The order in which decode attention visits a step's sequences: longest context first, so that no
+long context starts last and runs alone while the SMs around it idle.
 
     order = a stable argsort of kv_lens, descending:
     rank_i = #{j : len_j > len_i} + #{j < i : len_j = len_i},   order[rank_i] = i
     schedule = [order; kv_lens[order]; req_rows[order]]   ([3, B] int32)
 
-The schedule carries each sequence's length and token-table row beside its index, so that a program
-reads all three at once: a length read through the index cost a memory latency at every program's
-start (+2% on decode attention over W-offline). The Triton kernel computes the ranks by comparing every
-pair (B <= a few thousand sequences, ~2 us for a whole step, on the device: a CUDA graph holds it, and
-the host never sees the lengths).
+The schedule carries each sequence's length and token-table row beside its index, so a program reads
+all three at once (not a length through the index). The kernel ranks by comparing every pair, on the
+device (a CUDA graph holds it; the host never sees the lengths).
 """
 import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
 
 
 # num_seqs follows the batch: not specialized; kv_lens may be a view at any offset (kernels/__init__.py)
@@ -32,7 +25,7 @@ def _longest_first_kernel(
     schedule_ptr,  # [3, B] int32 out: the sequences longest first, their kv_lens, their rows
     num_seqs,  # B
     BLOCK: tl.constexpr,  # sequences ranked a program, and compared against per iteration
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_for_prior_kernels(PDL)
     mine = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -3,18 +3,15 @@
 Sequence i owns the packed query rows [q_start[i], q_start[i] + q_lens[i]). Its keys and values are
 its first kv_lens[i] tokens, cached ones included, read through the token table:
     slot(i, p) = req_to_token[req_rows[i], p],   p < kv_lens[i]
-The new tokens sit at the last q_lens[i] positions, so query j (0-based within the chunk) is at
-position kv_lens[i] - q_lens[i] + j and attends causally to positions <= its own. Splitfuse chunks
-of a long prompt are just sequences whose kv_lens exceed their q_lens. GQA: query head h reads KV
-head h // (Hq / Hk).
+The new tokens sit at the last q_lens[i] positions: query j of the chunk, at position
+kv_lens[i] - q_lens[i] + j, attends to positions <= its own. GQA: query head h reads KV head h // (Hq / Hk).
 
     o = softmax(q k^T * scale + causal_mask) v
 
-The Triton kernel is flash attention with an online softmax in base 2: one program owns BLOCK_M
-query rows of one head of one sequence and walks the keys in blocks of BLOCK_N, keeping per row
+Flash attention in base 2: a program owns BLOCK_M query rows of one head of one sequence and keeps
     m = running max of s,  l = sum 2^(s - m),  acc = sum 2^(s - m) v,   s = q.k * scale * log2(e)
-and rescaling l and acc by 2^(m_old - m_new) when the max grows; o = acc / l. Products are fp32.
-Key blocks that every row of the program sees skip the causal mask; only the diagonal ones apply it.
+over blocks of BLOCK_N keys (l and acc rescaled by 2^(m_old - m_new)); o = acc / l. Only the key
+blocks on the diagonal apply the causal mask.
 """
 import math
 
@@ -23,11 +20,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from batchgen.kernels.store_kv import query_for_kv_dot
+from batchgen.kernels.kv_dtype import query_for_kv_dot
 
 
 @triton.jit
-def _attend_keys(
+def attend_keys(
     acc,  # [BLOCK_M, BLOCK_D] fp32 running sum of 2^(s - m_i) v
     l_i,  # [BLOCK_M] fp32 running sum of 2^(s - m_i)
     m_i,  # [BLOCK_M] fp32 running max of s
@@ -115,7 +112,7 @@ def _prefill_attention_kernel(
         mask=io_mask,
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
-    q = query_for_kv_dot(q, k_cache_ptr.dtype.element_ty)  # _attend_keys widens K/V to q's dtype
+    q = query_for_kv_dot(q, k_cache_ptr.dtype.element_ty)  # attend_keys widens K/V to q's dtype
     q_pos = prefix + rows  # absolute position of each query row
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -129,11 +126,11 @@ def _prefill_attention_kernel(
     kv_end = tl.minimum(kv_len, prefix + first_row + BLOCK_M)
     k_head_ptr = k_cache_ptr + kv_head * cache_stride_h
     v_head_ptr = v_cache_ptr + kv_head * cache_stride_h
-    acc, l_i, m_i = _attend_keys(
+    acc, l_i, m_i = attend_keys(
         acc, l_i, m_i, q, q_pos, token_row, k_head_ptr, v_head_ptr, cache_stride_s,
         0, full_end, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
     )
-    acc, l_i, m_i = _attend_keys(
+    acc, l_i, m_i = attend_keys(
         acc, l_i, m_i, q, q_pos, token_row, k_head_ptr, v_head_ptr, cache_stride_s,
         full_end, kv_end, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
     )
@@ -147,9 +144,8 @@ def _prefill_attention_kernel(
 
 
 def _pick_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). 16-bit inputs with head_dim <= 128: the fastest
-    (or within 0.5%) on an H200 for every prefill shape of llama-3.2-1b and llama-3.1-8b measured
-    but one (within 8% there; benchmarks/KERNELS.md). fp32 and head_dim > 128 take small tiles."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): tuned for 16-bit inputs with head_dim <= 128; fp32
+    and head_dim > 128 take small tiles."""
     if dtype == torch.float32 or head_dim > 128:
         return (64, 32, 4, 1) if head_dim <= 128 else (32, 32, 4, 1)
     return 64, 64, 4, 3

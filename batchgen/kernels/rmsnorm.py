@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     NUM_PARTS: tl.constexpr,  # > 0: x is [NUM_PARTS, T, H] fp32 parts to sum (with a residual)
     BLOCK_H: tl.constexpr,  # next power of 2 >= H: one program holds a whole row
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_for_prior_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -78,9 +78,8 @@ def _launch(x, residual, weight, eps, parts=None):
     if num_tokens == 0:
         return out, new_residual
     block_h = triton.next_power_of_2(hidden)
-    # a row's elements 16 a thread, or 4 where they are sums of fp32 parts (16 warps for H = 2,048): after
-    # the tile kernel, llama-3.2-1b's o and down + the norm of 4 parts took 1.3-1.7 us less at 16 warps
-    # than at 4 (2-192 rows); a plain row gained nothing from more warps (H200, KERNELS.md session 24)
+    # a row's elements 16 a thread, or 4 where they are sums of fp32 parts (16 warps for H = 2,048: the
+    # parts' loads need the threads; a plain row gains nothing from more warps)
     num_warps = min(max(block_h // (512 if parts is None else 128), 1), 16)
     _rmsnorm_kernel[(num_tokens,)](
         x, x.stride(0), 0 if parts is None else parts.stride(0),

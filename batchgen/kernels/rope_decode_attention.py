@@ -1,29 +1,16 @@
 """Rope, the KV store and decode attention in one launch, for decode steps of few sequences (the
-engine takes it at one: W-decode1). At one row the three kernels it replaces (rope + store, the
-split, the merge) cost ~11 us a layer of llama-3.2-1b on an H200 for ~2 MB of K/V: their time is
-latency (launches, and a chain of dependent loads: slots, then keys), not bytes.
+engine takes it at one): at one row the three kernels it replaces are latency, not bytes.
 
-Program (kv head g, split c, sequence i) does, for the G = Hq / Hk query heads of g:
-
-  before the PDL wait   the split's keys [c S, (c + 1) S) (S = ceil(L / C) rounded up to BLOCK_N,
-                        L = kv_lens[i]): their slots and the cached K/V of every key but the new
-                        one (position L - 1), BLOCK_N keys of them (the rest after the wait);
-  after it              q and the new k rotated in registers (NeoX halves, fp32, rounded to q's
-                        dtype as kernels/rotary.py rounds; q, k and v themselves are left as they
-                        are), k and v stored at out_slots[i] by the split that holds L - 1 (which
-                        uses them from registers), then stage 1 of
-                        kernels/decode_attention.py: lse_c and o_c of the split;
-  the last split of (i, g) to finish (a counter per (i, g), acq_rel) merges the C parts into the
-  output, as that file's stage 2, and sets the counter back to 0.
-
-q [B, Hq, D], k and v [B, Hk, D] come with their own strides, like kernels/rope_store_kv.py's:
-usually strided views into the qkv product, for Qwen3 q_norm's and k_norm's outputs.
-
-What it reads before the wait (kernels/pdl.py): the step's index arrays (written by the step's first
-kernel) and K/V at positions before L - 1 (written by earlier steps). Every kernel before the one
-before this has finished when this one starts, and the one before (the qkv product, or Qwen3's k
-norm) writes neither. q, k and v are the output of that kernel or of one just before it: read after
-the wait. Split-local data crosses programs only through the merge, read past L1 (.cg).
+Program (kv head g, split c, sequence i), for the G = Hq / Hk query heads of g (L = kv_lens[i]):
+  before the PDL wait   the slots and cached K/V of the split's keys before position L - 1 (written
+                        by earlier steps), BLOCK_N of them, and the step's index arrays;
+  after it              q and the new k rotated in registers (as kernels/rope_store_kv.py rounds; q,
+                        k and v are left as they are), k and v stored at out_slots[i] by the split
+                        that holds L - 1, then kernels/decode_attention.py's stage 1 for the split;
+  the last split of (i, g) to finish (a counter per (i, g), acq_rel) merges the C parts as that
+  file's stage 2 and sets the counter back to 0.
+q [B, Hq, D], k and v [B, Hk, D] come with their own strides (views into the qkv product, or Qwen3's
+q/k norm outputs), read after the wait.
 """
 from __future__ import annotations
 
@@ -33,15 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.decode_attention import decode_attention_ref, num_sms, pick_num_splits
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.decode_attention import decode_attention_ref, pick_num_splits
+from batchgen.kernels.device import num_sms, pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rope_store_kv import rope_store_kv_ref
 
 BLOCK_N = 64  # keys a step; a split of at most this many keys is read whole before the wait
 MAX_SPLITS = 64  # (the merge's BLOCK_C)
-# About one program an SM (the split kernel of kernels/decode_attention.py takes two): W-decode1
-# llama-3.2-1b (8 kv heads) 0.811-0.812 ms a token with 16-20 splits against 0.824 with 33, 0.823 with
-# 12, 0.835 with 8 (H200, KERNELS.md session 22): fewer splits, fewer parts for the last one to merge
+# About one program an SM (decode_attention's split kernel takes two): fewer parts for the last one to merge
 PROGRAMS_PER_SM = 1
 MAX_COUNTERS = 4096  # (sequence, kv head) pairs the persistent counters cover
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

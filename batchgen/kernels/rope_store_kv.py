@@ -1,20 +1,43 @@
-"""Rotary position embedding and the KV store in one pass (one launch per layer instead of two):
-q is rotated in place, k is rotated on its way into the cache, v is copied:
+"""Rotary position embedding and the KV store in one pass: q is rotated in place, k is rotated on
+its way into the cache, v is copied:
     q[t]                  = rope(q[t], positions[t])
     k_cache[out_slots[t]] = rope(k[t], positions[t])
     v_cache[out_slots[t]] = v[t]
-with rope as in kernels/rotary.py (NeoX halves, cos_sin_cache [P, D] = [cos | sin] fp32, fp32 math,
-rounded to the input dtype, then cast to the cache dtype as kernels/store_kv.py does). The same
-result as apply_rotary then store_kv; k itself is only read on the GPU (afterwards its contents are
-unspecified: the CPU path, which runs the two ops, leaves it rotated).
+    rope([x1, x2], p)     = [x1 cos - x2 sin, x2 cos + x1 sin],   cos, sin = cos_sin_cache[p]
+(NeoX / HF "rotate_half" halves; cos_sin_cache [P, D] = [cos | sin] fp32, rope scaling folded in by
+layers/rotary.py; fp32 math rounded to the input dtype, then cast to the pool's dtype as
+kernels/kv_dtype.py does). k itself is only read on the GPU (afterwards its contents are unspecified:
+the CPU path, which rotates, then stores, leaves it rotated).
 """
 import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
-from batchgen.kernels.rotary import _rotate_heads, apply_rotary_cpu, apply_rotary_ref
-from batchgen.kernels.store_kv import store_kv_ref, to_cache_dtype
+from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.kv_dtype import cast_for_cache, to_cache_dtype
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,  # first element of this token's row of q or k
+    head_stride,  # elements between two heads of a token
+    num_heads,
+    half_dim,  # head_dim / 2
+    cos,  # [1, BLOCK_HALF] fp32
+    sin,  # [1, BLOCK_HALF] fp32
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (cols < half_dim)
+    ptr1 = x_ptr + heads * head_stride + cols  # [BLOCK_HEADS, BLOCK_HALF], first halves
+    x1 = tl.load(ptr1, mask=mask, other=0.0)
+    x2 = tl.load(ptr1 + half_dim, mask=mask, other=0.0)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    tl.store(ptr1, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+    tl.store(ptr1 + half_dim, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
 
 
 # index arrays not specialized on alignment (kernels/__init__.py)
@@ -43,7 +66,7 @@ def _rope_store_kv_kernel(
     BLOCK_HQ: tl.constexpr,  # next power of 2 >= Hq
     BLOCK_HK: tl.constexpr,  # next power of 2 >= Hk
     BLOCK_HALF: tl.constexpr,  # next power of 2 >= D / 2
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_for_prior_kernels(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -67,7 +90,7 @@ def _rope_store_kv_kernel(
     v2 = tl.load(v1_ptr + half_dim, mask=mask)
     k1f = k1.to(tl.float32)
     k2f = k2.to(tl.float32)
-    # rounded to k's dtype first, as apply_rotary's output would be
+    # rounded to k's dtype first, as apply_rotary_ref's output is
     tl.store(k_cache_ptr + cache_offs, to_cache_dtype((k1f * cos - k2f * sin).to(k1.dtype), cache_ty), mask=mask)
     tl.store(k_cache_ptr + cache_offs + half_dim, to_cache_dtype((k2f * cos + k1f * sin).to(k1.dtype), cache_ty),
              mask=mask)
@@ -115,6 +138,47 @@ def rope_store_kv_triton(
     )
 
 
+def apply_rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    for x in (q, k):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x.copy_(rotated.to(x.dtype))
+
+
+
+def store_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out_slots: torch.Tensor
+) -> None:
+    """k_cache[out_slots] = k, v_cache[out_slots] = v, in the pool's dtype."""
+    k_cache[out_slots] = cast_for_cache(k, k_cache.dtype)
+    v_cache[out_slots] = cast_for_cache(v, v_cache.dtype)
+
+
+def apply_rotary_cpu(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """The CPU path, in fewer (and larger) ops than the reference: with x = [x1, x2] per head,
+    x' = x * [cos, cos] + [x2, x1] * [-sin, sin]; and when k's heads follow q's in the same rows (the
+    views of one fused qkv output), q and k are rotated as one tensor."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    cos, sin = cos_sin_cache.index_select(0, positions.long()).chunk(2, dim=-1)  # [T, D/2] fp32 each
+    cos = cos[:, None, None, :]  # against x viewed as [T, H, 2, D/2]
+    signed_sin = torch.stack((-sin, sin), dim=1)[:, None]  # [T, 1, 2, D/2]
+    follows = k.stride() == q.stride() and k.data_ptr() == q.data_ptr() + num_q_heads * head_dim * q.element_size()
+    if follows and q.stride(2) == 1 and q.stride(1) == head_dim:
+        parts = [q.as_strided((num_tokens, num_q_heads + k.shape[1], head_dim), q.stride())]
+    else:
+        parts = [q, k]
+    for x in parts:
+        xf = x.float().view(num_tokens, -1, 2, head_dim // 2)
+        x.copy_(torch.addcmul(xf * cos, xf.flip(2), signed_sin).view(x.shape))
+
+
+
 def rope_store_kv_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -125,7 +189,7 @@ def rope_store_kv_ref(
     v_cache: torch.Tensor,
     out_slots: torch.Tensor,
 ) -> None:
-    """The two ops it fuses, one after the other."""
+    """The rotation, then the store."""
     apply_rotary_ref(q, k, positions, cos_sin_cache)
     store_kv_ref(k, v, k_cache, v_cache, out_slots)
 
@@ -145,6 +209,6 @@ def rope_store_kv(
     out_slots)."""
     if q.is_cuda:
         rope_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, out_slots)
-    else:  # the two ops' own CPU paths
+    else:
         apply_rotary_cpu(q, k, positions, cos_sin_cache)
         store_kv_ref(k, v, k_cache, v_cache, out_slots)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
 
 
 @triton.jit
@@ -20,7 +20,7 @@ def _silu_and_mul_kernel(
     out_stride_t,  # elements between two rows of out
     inter,  # I
     BLOCK: tl.constexpr,  # columns per program
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_for_prior_kernels(PDL)
     row = tl.program_id(0).to(tl.int64)

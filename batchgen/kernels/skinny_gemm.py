@@ -1,54 +1,33 @@
-"""Products with few rows (decode of one sequence): y = x @ W^T (+ b), x [M, K] with M <= 8, W [N, K].
-The engine calls it at one row only: at 2 rows it still beat cuBLAS on two of llama-3.2-1b's four
-weights, at 4 and 8 on none (benchmarks/KERNELS.md); M > 1 stays for those measurements and the tests.
-
-Such a product is a stream of W through the GPU: each program reads BLOCK_N rows of W once, in
-BLOCK_K-wide chunks along K, and keeps every x row's partial sums in fp32, so W's bytes are all the
-traffic that counts. SILU_MUL takes x as a gate/up pair [M, 2K] and multiplies by silu(gate) * up on
-the fly (the down projection of an MLP, without the SiLU-and-mul kernel before it); NORM takes x
-(and a residual) and applies add_rmsnorm as it reads, program 0 writing x + residual (the qkv and
-gate/up projections, without the norm kernel before them).
+"""Products with few rows (decode of one sequence): y = x @ W^T (+ b), x [M, K] with M <= 8, W [N, K]
+(the engine calls it at one row). Such a product is a stream of W: each program reads BLOCK_N rows of
+W once, in BLOCK_K-wide chunks, keeping every x row's partial sums in fp32.
 
     y[m, n] = sum_k x[m, k] * W[n, k]                   (plain)
     y[m, n] = sum_k silu(g[m, k]) * u[m, k] * W[n, k]   (SILU_MUL, g = x[:, :K], u = x[:, K:])
     y[m, n] = sum_k rmsnorm(x + r)[m, k] * W[n, k]       (NORM; rounded as kernels/rmsnorm.py rounds)
 
-W must be a constant (a weight): under programmatic dependent launch (kernels/pdl.py) each program
-reads its first chunk of W (two where the product has few programs) before waiting for the kernel before it.
-
-Two kernels read W. `_skinny_gemm_kernel` loads each chunk into registers: one chunk in flight a
-program, and with K <= 1024 a program's whole share of W is one chunk. On Hopper, one row with K <=
-1024 and a weight of at least 2^23 elements (qwen2.5-0.5b's gate/up and LM head) takes `_tma_row_kernel`
-instead: W through the tensor memory accelerator, chunks of 256 columns pipelined over 5 stages in
-shared memory. Its norm, where it has one, runs in the norm kernel before it: in the product, every
-program's pass over x for the statistics came before its stream (W-decode1 0.745 against 0.705 ms).
-On an H200 (KERNELS.md, session 16), one row, graph replays, us: qwen2.5-0.5b's gate/up 5.7 against
-8.2 (plain loads) and 7.2 (cuBLAS), its LM head 61 against 74 and 65; W-decode1 0.705 against 0.776
-ms a token. llama-3.2-1b's products (K = 2048, 8192) were 2-12% faster alone through TMA and no faster
-in the engine (its gate/up slower), so K > 1024 keeps the other paths. skinny_gemm() sends one-row
-products with K = 2,048 whose weight fits a shared-memory ring whole (llama-3.2-1b's o) to
-kernels/decode_mlp_gluon.row_product_gluon instead, where its check passed.
+SILU_MUL and NORM save the kernel before the product (program 0 writes x + residual). W must be a
+constant: under PDL each program reads its first chunk (two where the product has few programs)
+before its wait. On Hopper, one row with K <= TMA_MAX_K and at least TMA_MIN_WEIGHT weight elements
+takes `_tma_row_kernel` instead: W through TMA, chunks pipelined in shared memory, no norm (its norm
+runs in the norm kernel before it).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels import decode_mlp_gluon
-from batchgen.kernels.decode_attention import device_index
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import device_index, interpreting, pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.rmsnorm import add_residual, add_rmsnorm_ref, rmsnorm_ref
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref
 
 MAX_ROWS = 8
 # A program reads two chunks of W before its PDL wait (instead of one) only where its product has few
-# programs, at most ~2 an SM of an H200: there each program's loads in flight bound the stream. Timed as
-# W-decode1 on an H200 (KERNELS.md): qwen2.5-0.5b's down projection (224 programs) gained 3% of a token;
-# llama-3.2-1b's products (384 to 4,096 programs) lost 0.5-1.7% with it (the second chunk's registers).
+# programs, at most ~2 an SM: there each program's loads in flight bound the stream (with many programs
+# the second chunk's registers cost more)
 PREFETCH_MAX_PROGRAMS = 256
 # One-row products with rows of at most TMA_MAX_K and at least TMA_MIN_WEIGHT weight elements read W
 # through TMA where the GPU has it (see the module's docstring)
@@ -63,16 +42,13 @@ except ImportError:
 
 @functools.cache
 def _tma_supported(device_index: int) -> bool:
-    if TensorDescriptor is None or os.environ.get("BATCHGEN_SKINNY_TMA", "1") == "0":
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if TensorDescriptor is None or interpreting():
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def tma_supported(device: torch.device) -> bool:
-    """Whether one-row products on this device may read W through TMA descriptors (Hopper and later;
-    off with BATCHGEN_SKINNY_TMA=0)."""
+    """Whether one-row products on this device may read W through TMA descriptors (Hopper and later)."""
     return device.type == "cuda" and _tma_supported(device_index(device))
 
 
@@ -171,7 +147,7 @@ def _skinny_gemm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DEFER_SUM: tl.constexpr,  # keep [BLOCK_M, BLOCK_N, BLOCK_K] partials, sum once at the end
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
     PRE_CHUNKS: tl.constexpr,  # chunks of W read before the wait: 1, or 2 when K > BLOCK_K
     STATS_K: tl.constexpr = 0,  # NORM: columns of x a step of the statistics pass (see stats_columns)
 ):
@@ -182,7 +158,7 @@ def _skinny_gemm_kernel(
     m_ok = m < M
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + w_rows[:, None] * w_stride_n + cols[None, :]
-    # W's first chunk is read while the kernel before may still run (PDL, kernels/pdl.py): a constant
+    # W's first chunk is read while the kernel before may still run (PDL, kernels/device.py): a constant
     first_w = _weight_chunk(w_ptrs, cols < K, EVEN_K)
     if PRE_CHUNKS == 2:
         second_w = _weight_chunk(w_ptrs + BLOCK_K, BLOCK_K + cols < K, EVEN_K)
@@ -244,9 +220,8 @@ def _tma_row_kernel(
     PDL: tl.constexpr,
 ):
     """One row: y[n] = sum_k input[k] W[n, k], summed as _skinny_gemm_kernel's DEFER_SUM (fp32 per
-    lane, one sum at the end), W read through TMA (rows and columns past W read as zeros). The row is
-    a [BLOCK_K] vector broadcast over the [BLOCK_N, BLOCK_K] chunk: a first version inside the other
-    kernel, with its axis for rows of x, took up to 1.5x the time (KERNELS.md, session 16)."""
+    lane, one sum at the end), W read through TMA (rows and columns past W read as zeros); the row is
+    a [BLOCK_K] vector broadcast over the [BLOCK_N, BLOCK_K] chunk (no axis for rows of x)."""
     pid = tl.program_id(0)
     row0 = pid * BLOCK_N
     cols = tl.arange(0, BLOCK_K)
@@ -272,9 +247,9 @@ TmaTile = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, warps, stages): a tile
 
 
 def default_tile(n: int, k: int) -> Tile:
-    """Swept at one row on an H200 (benchmarks/KERNELS.md), timed as graph replays: long streams (gate/up,
-    LM heads) sum each chunk as it comes; smaller weights keep per-lane partials, and weights of at most
-    2048 rows take 4 rows a program so that ~4 programs share each SM."""
+    """(BLOCK_N, BLOCK_K, warps, stages, DEFER_SUM) at one row: long streams (gate/up, LM heads) sum each
+    chunk as it comes; smaller weights keep per-lane partials, and weights of at most 2048 rows take 4
+    rows a program so that ~4 programs share each SM."""
     if n * k >= 1 << 25:
         return (8, 1024, 4, 1, False)
     if n <= 2048:
@@ -283,8 +258,7 @@ def default_tile(n: int, k: int) -> Tile:
 
 
 def tma_tile(n: int, k: int) -> TmaTile:
-    """Swept at one row on an H200 (KERNELS.md, session 16), graph replays: 256 columns a chunk, 5
-    stages of 4 warps; 16 rows a program for LM heads, 8 elsewhere."""
+    """256 columns a chunk, 5 stages of 4 warps; 16 rows a program for LM heads, 8 elsewhere."""
     return (16, 256, 4, 5) if n * k >= 1 << 27 else (8, 256, 4, 5)
 
 
@@ -402,8 +376,6 @@ def skinny_gemm(
     out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if x.is_cuda:
-        if bias is None and not silu_mul and decode_mlp_gluon.row_product_takes(x, weight):
-            return decode_mlp_gluon.row_product_gluon(x, weight, out_dtype, out)
         return skinny_gemm_triton(x, weight, bias, silu_mul, out_dtype, out=out)
     y = skinny_gemm_ref(x, weight, bias, silu_mul, out_dtype)
     if out is None:

@@ -1,51 +1,33 @@
-"""Products of a decode step's rows (2 to 64, and 65 to 256 where timed faster than cuBLAS) on Hopper:
-y = x @ W^T in [BM, BN] output tiles, x and W read through TMA descriptors (tl.range keeps STAGES tiles
-of each in flight in shared memory) and multiplied by the tensor cores (tl.dot), accumulated in fp32.
+"""Products of a decode step's rows (2 to 64, and 65 to 256 where start-up timing found them faster
+than cuBLAS) on Hopper: y = x @ W^T in [BM, BN] output tiles, x and W read through TMA descriptors
+(STAGES tiles of each in flight in shared memory), multiplied by the tensor cores, summed in fp32.
 
     y = x W^T                                (plain)
     y = silu(x Wg^T) * (x Wu^T)              (SILU_MUL_OUT: W = [Wg; Wu], an MLP's gate/up; y [M, N/2])
     parts[s] = x[:, Ks] W[:, Ks]^T           (SPLIT > 1: K in SPLIT slices Ks, fp32; y = sum_s parts[s])
 
-SILU_MUL_OUT keeps two accumulators a program, columns [n0, n0 + BN) of the gate and of the up
-half, so the gate/up pair never goes to memory and no SiLU-and-mul kernel runs; gate and up are
-rounded to x's dtype before the SiLU, as the product and kernels/silu_and_mul.py round them.
-
-SPLIT is for products with few output columns (o and down projections of 2,048): N / BN tiles are
-too few programs to stream W at full speed, SPLIT times as many are enough. The parts are summed by
-the add + RMSNorm that follows such a product anyway (rmsnorm.add_rmsnorm_parts): a kernel that sums
-them here (the last program of a tile to finish, by a counter) cost 2-4 us a product more than the
-split saved, the wait for the other parts at the end of each tile (KERNELS.md, session 17).
-
-Why: at 2-64 rows cuBLAS streams llama-3.2-1b's decode weights at 1.4-3.3 TB/s (o, down, gate/up),
-and its gate/up pair makes a round trip through memory for the SiLU-and-mul kernel. Graph replays on
-an H200, us (KERNELS.md, session 17), cuBLAS against this kernel at 2 / 64 rows: o 6.0 / 6.3 against
-4.1 / 4.7 (parts), down 14.0 / 14.3 against 10.0 / 10.8 (parts), gate/up + SiLU-and-mul 20.1 / 22.2
-against 18.2 / 19.1. A decode step of 8 to 64 rows: llama-3.2-1b 4% faster, qwen2.5-0.5b 3%; at 128
-rows llama's step was no faster (1.95 ms either way), so MAX_ROWS is 64. From 65 to TUNED_MAX_ROWS
-rows neither this kernel nor cuBLAS wins everywhere: a product takes the tile that start-up timing found
-faster for its shape and row count (engine/product_tuning.py; 128-row tiles whose M tiles run side by
-side, W read once from DRAM and again from L2).
+SILU_MUL_OUT keeps a gate and an up accumulator a program, so the pair never goes to memory and no
+SiLU-and-mul kernel runs (gate and up rounded to x's dtype first, as the product would round them).
+SPLIT gives products with few output columns (o, down) enough programs to stream W; the add + RMSNorm
+after such a product sums the parts (rmsnorm.add_rmsnorm_parts).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.decode_attention import device_index, num_sms
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import device_index, interpreting, num_sms, pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref
 from batchgen.kernels.skinny_gemm import TensorDescriptor, tma_ok
 
-MAX_ROWS = 64  # at 128 rows a decode step was no faster than with cuBLAS (KERNELS.md, session 17)
+MAX_ROWS = 64  # the most rows a product takes a tile at without start-up timing
 MIN_PROGRAMS = 64  # a split plain product with fewer programs streams W too slowly (qwen2.5-0.5b's down)
 # Above MAX_ROWS and up to TUNED_MAX_ROWS a product takes a tile only where start-up timing found one
-# faster than cuBLAS for that shape and row count (engine/product_tuning.py): neither wins everywhere
-# there (KERNELS.md, sessions 20 and 24).
+# faster than cuBLAS for that shape and row count (engine/product_tuning.py): neither wins everywhere there
 TUNED_MAX_ROWS = 256
 
 Tile = tuple[int, int, int, int, int, int]  # (BM, BN, BK, stages, warps, SPLIT)
@@ -106,9 +88,7 @@ def _tile_gemm_kernel(
 
 @functools.cache
 def _supported(device_index: int) -> bool:
-    if TensorDescriptor is None or os.environ.get("BATCHGEN_TILE_GEMM", "1") == "0":
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if TensorDescriptor is None or interpreting():
         return False
     # Hopper and datacenter Blackwell: the tiles' stages take up to ~110 KB of shared memory, more than
     # consumer parts (sm_120, ~99 KB) give a program
@@ -117,19 +97,18 @@ def _supported(device_index: int) -> bool:
 
 def tile_gemm_supported(device: torch.device) -> bool:
     """Whether decode products may take this kernel: a Hopper or datacenter Blackwell GPU (TMA, shared
-    memory for the tiles' stages), Triton with host-side descriptors; off with BATCHGEN_TILE_GEMM=0."""
+    memory for the tiles' stages), Triton with host-side descriptors."""
     return device.type == "cuda" and _supported(device_index(device))
 
 
 def pick_tile(m: int, n_out: int, k: int, silu_mul_out: bool, parts_ok: bool = False, sms: int = 132) -> Tile | None:
-    """The tile for m rows (swept for llama-3.2-1b's shapes on an H200: KERNELS.md, session 17), or None
-    where K is not whole BK steps. BM is the fewest of 16, 32, 64, 128 rows that hold m: TMA fills a
-    tile's rows past x with zeros, and a larger tile than the rows need was slower. With parts_ok a
-    plain product splits K in the most parts (4 or 2) that keep the grid within one program an SM."""
+    """The tile for m rows, or None where K is not whole BK steps. BM is the fewest of 16, 32, 64, 128
+    rows that hold m (TMA fills rows past x with zeros). With parts_ok a plain product splits K in the
+    most parts (4 or 2) that keep the grid within one program an SM."""
     bm = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
-    bn = 64  # (32 for gate/up at 16 rows: 0.3 us faster for llama-3.2-1b, 14 us slower for llama-3.1-8b)
+    bn = 64
     bk, warps = 128, 8 if bm == 128 else 4
-    stages = 3 if silu_mul_out or bm == 128 else 5  # (128 rows: swept, not taken by the engine)
+    stages = 3 if silu_mul_out or bm == 128 else 5
     if k % bk:
         return None
     tiles = triton.cdiv(n_out, bn) * triton.cdiv(m, bm)
@@ -143,9 +122,7 @@ def candidate_tiles(m: int, n_out: int, k: int, silu_mul_out: bool, sms: int = 1
     """The tiles start-up timing tries against cuBLAS at MAX_ROWS < m <= TUNED_MAX_ROWS rows: 128-row
     tiles (M tiles run side by side, so W is read from DRAM once), 64 or 128 columns, and for plain
     products K in the most parts (4, 2) that keep the grid within one program an SM; up to 192 rows
-    also pick_tile's 64-row tile, two or three M tiles. The best of a sweep of BM 128/256, BN 64/128,
-    BK 64/128 at 192 and 256 rows of llama-3.2-1b's products on an H200 (KERNELS.md, session 24): BM
-    256 never won."""
+    also pick_tile's 64-row tile, two or three M tiles."""
     # (BM, BN, BK, stages, warps)
     shapes = [(128, 128, 64, 4, 8), (128, 64, 128, 3, 8)] if silu_mul_out else [(128, 128, 128, 3, 8), (128, 64, 128, 3, 8)]
     if m <= 192:
@@ -185,12 +162,11 @@ def uses_tile_gemm(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = F
 
 def tile_for(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False,
              parts_ok: bool = False) -> Tile | None:
-    """The tile of a GPU product of x [M, K] with weight [N, K] where it goes to this kernel (else None): 2 to 64 rows, 16-bit,
-    Hopper, and where it beat cuBLAS on an H200 (KERNELS.md, session 17): an MLP's gate/up with its
-    SiLU-and-mul (silu_mul_out); products with N <= K (o, down) whose caller sums split-K parts
-    (parts_ok) and whose grid then has at least MIN_PROGRAMS programs. Not qkv or LM heads (N > K); not a
-    gate/up whose programs would take more than one wave of the GPU's SMs. The same kinds of product
-    at 65 to TUNED_MAX_ROWS rows: the tile start-up timing chose (`tuned`), if any."""
+    """The tile of a GPU product of x [M, K] with weight [N, K] where it goes to this kernel (else None):
+    2 to 64 rows, 16-bit, Hopper, and the kinds it beats cuBLAS at: an MLP's gate/up with its SiLU-and-mul
+    (silu_mul_out) in one wave of programs; products with N <= K (o, down) whose caller sums split-K parts
+    (parts_ok), with at least MIN_PROGRAMS programs. At 65 to TUNED_MAX_ROWS rows: the tile start-up
+    timing chose (`tuned`), if any."""
     m = x.shape[0]
     n, k = weight.shape
     if not (x.dim() == 2 and 2 <= m <= TUNED_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16)
@@ -210,12 +186,12 @@ def tile_for(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False,
         return None
     bm, bn, _, _, _, split = tile
     programs = triton.cdiv(n_out, bn) * triton.cdiv(m, bm) * split
-    # gate/up in one wave of programs: llama-3.1-8b's (224 programs) took 63-84 us against cuBLAS's 58-61
+    # gate/up in one wave of programs (in more, cuBLAS was faster)
     return tile if (programs <= sms if silu_mul_out else programs >= MIN_PROGRAMS) else None
 
 
 def _sm_count(device: torch.device) -> int:
-    return num_sms(device) if device.type == "cuda" else 132  # (an H200's: the CPU tests of the choice)
+    return num_sms(device) if device.type == "cuda" else 132  # (an H100's or H200's: CPU tests)
 
 
 def tile_gemm_triton(

@@ -1,30 +1,18 @@
-"""Unified attention: decode and prefill (extend) sequences of one step in one launch, driven only
+"""Unified attention: the decode and prefill (extend) sequences of one step in one launch, driven only
 by device-side metadata, so that a whole mixed step can be captured in a CUDA graph.
 
-Sequence i owns the packed query rows [q_start[i], q_start[i + 1]) (q_len_i of them, 0 for a padding
-sequence) and attends to the first kv_lens[i] tokens of its context, read through the token table:
-    slot(i, p) = req_to_token[seq_rows[i], p],   p < kv_lens[i]
-The new tokens are the last q_len_i positions: query j of sequence i is at position
-kv_lens[i] - q_len_i + j and sees the positions <= its own. A decode is a sequence with q_len 1.
-GQA: query head h reads KV head h // G, G = Hq / Hk.
+Sequence i owns query rows [q_start[i], q_start[i + 1]) (q_len_i, 0 for padding) at the last q_len_i
+positions of its first kv_lens[i] tokens, read through slot(i, p) = req_to_token[seq_rows[i], p];
+query j sees positions <= kv_lens[i] - q_len_i + j. GQA: query head h reads KV head h // G.
 
     o = softmax(q k^T * scale + causal_mask) v
 
-The Triton kernel is flash attention with an online softmax in base 2 (kernels/prefill_attention.py
-holds the key loop, shared). One program owns one KV head and a block of BLOCK_Q query tokens of
-one sequence, with the G query heads of each token packed into the rows of one tile:
-    row r -> token first_q + r // G, query head kv_head * G + r % G,   BLOCK_M = BLOCK_Q * G (+ pad)
-so the keys and values are read once per KV head and a decode fills G rows of its tile. Blocks
-whose sequence has at most SMALL_Q query tokens left (decodes, chunk tails) take a SMALL_M-row
-tile instead, so decodes do not pay for BLOCK_M rows of scores.
-
-Grid: (T // BLOCK_Q + B) q blocks x Hk, the KV heads of a block adjacent. Sequence i's q blocks
-are numbered from q_start[i] // BLOCK_Q + i, which leaves each sequence room for
-ceil(q_len_i / BLOCK_Q) blocks (at the cost of at most one idle program per sequence); a program
-finds its sequence by a binary search over those starts (log2(B + 1) loads). The grid and every
-launch argument come from T, B and the model's shapes: no host sync, so a CUDA graph captured once
-replays with any metadata of the same T and B. Query rows past q_start[B] (padding) belong to no
-program: their output is left unwritten (arbitrary, possibly NaN), and no other row reads them.
+Flash attention in base 2 (the key loop is kernels/prefill_attention.attend_keys). A program owns a
+KV head and BLOCK_Q query tokens of one sequence, the G query heads of a token packed into the rows
+of one tile (row r: token first_q + r // G, head kv_head * G + r % G), so K/V are read once per KV
+head; blocks with at most SMALL_Q tokens left (decodes) take a SMALL_M-row tile. Sequence i's blocks
+start at q_start[i] // BLOCK_Q + i (a binary search finds them): the grid comes from T, B and the
+shapes only. Rows past q_start[B] (padding) are left unwritten.
 """
 import math
 
@@ -33,9 +21,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from batchgen.kernels.pdl import pdl_launch_args, wait_for_prior_kernels
-from batchgen.kernels.prefill_attention import _attend_keys
-from batchgen.kernels.store_kv import query_for_kv_dot
+from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.prefill_attention import attend_keys
+from batchgen.kernels.kv_dtype import query_for_kv_dot
 
 
 @triton.jit
@@ -75,7 +63,7 @@ def _attend_query_block(
         mask=io_mask,
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
-    q = query_for_kv_dot(q, k_head_ptr.dtype.element_ty)  # _attend_keys widens K/V to q's dtype
+    q = query_for_kv_dot(q, k_head_ptr.dtype.element_ty)  # attend_keys widens K/V to q's dtype
     prefix = kv_len - q_len  # cached tokens before the first new one
     q_pos = prefix + q_idx  # absolute position of each row's query (padding rows: past the block)
 
@@ -87,11 +75,11 @@ def _attend_query_block(
     # runs first leaves m_i finite.
     full_end = (prefix + first_q + 1) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(kv_len, prefix + first_q + BLOCK_Q)
-    acc, l_i, m_i = _attend_keys(
+    acc, l_i, m_i = attend_keys(
         acc, l_i, m_i, q, q_pos, token_row, k_head_ptr, v_head_ptr, cache_stride_s,
         0, full_end, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
     )
-    acc, l_i, m_i = _attend_keys(
+    acc, l_i, m_i = attend_keys(
         acc, l_i, m_i, q, q_pos, token_row, k_head_ptr, v_head_ptr, cache_stride_s,
         full_end, kv_end, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
     )
@@ -135,7 +123,7 @@ def _unified_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D (and >= 16)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_for_prior_kernels(PDL)
     # The KV heads of one q block run side by side: they read neighbouring bytes of the same slots.
@@ -180,8 +168,8 @@ def _unified_attention_kernel(
 
 def _pick_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, SMALL_M, BLOCK_N, num_warps, num_stages) before rounding to the group size. 16-bit
-    inputs with head_dim <= 128 take the prefill kernel's tile (64 x 64, tuned on an H200) and a
-    16-row tile for decodes (the decode kernel's); fp32 and head_dim > 128 take small tiles."""
+    inputs with head_dim <= 128 take the prefill kernel's tile (64 x 64) and a 16-row tile for decodes
+    (the decode kernel's); fp32 and head_dim > 128 take small tiles."""
     if dtype == torch.float32 or head_dim > 128:
         return 32, 16, 32, 4, 1
     return 64, 16, 64, 4, 3

@@ -6,20 +6,12 @@ launch instead (kernels/rope_decode_attention.py). The layer picks the path from
 tensors; the model only hands it q, k and v before rope."""
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 from torch import nn
 
 from batchgen.forward.batch import ForwardBatch
 from batchgen.kernels import decode_attention, prefill_attention, rope_store_kv, unified_attention
 from batchgen.kernels.rope_decode_attention import rope_decode_attention
-
-
-@functools.cache
-def one_row_attention_enabled() -> bool:
-    return os.environ.get("BATCHGEN_ONE_ROW_ATTENTION", "1") != "0"
 
 
 class Attention(nn.Module):
@@ -31,11 +23,11 @@ class Attention(nn.Module):
 
     def _takes_one_launch(self, q: torch.Tensor, batch: ForwardBatch) -> bool:
         """A decode step of one sequence on a GPU: rope, the KV store and attention in one launch. Not
-        for fp32 (its dots would not be exact), an fp8 pool, or head_dim other than 32 or 64 (measured
-        at 64; larger heads would hold more of the merge in registers)."""
+        for fp32 (its dots would not be exact), an fp8 pool, or head_dim other than 32 or 64 (larger
+        heads would hold more of the merge in registers)."""
         return (q.is_cuda and q.shape[0] == 1 and batch.num_decode == 1 and batch.num_prefill == 0
                 and not batch.unified and q.dtype in (torch.float16, torch.bfloat16)
-                and self.k_cache.dtype == q.dtype and self.head_dim in (32, 64) and one_row_attention_enabled())
+                and self.k_cache.dtype == q.dtype and self.head_dim in (32, 64))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -10,8 +10,7 @@ from torch import nn
 
 from batchgen.forward.parallel import SINGLE, TensorParallel
 from batchgen.kernels.gumbel_argmax import GROUP
-from batchgen.kernels.skinny_gemm import skinny_gemm
-from batchgen.layers.packed_linear import PackableWeight, streams_weight
+from batchgen.layers.packed_linear import PackableWeight, stream_product, streams_weight
 
 
 def vocab_rows_per_rank(vocab_size: int, tp_size: int) -> int:
@@ -61,17 +60,16 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
         real = max(0, min(self.rows_per_rank, self.vocab_size - self.start))
         logits = None
         if hidden.is_cuda and hidden.dtype != torch.float32:
-            if streams_weight(hidden):  # one row: 117 vs 125 us for llama-3.2-1b's head on an H200
-                return skinny_gemm(hidden, self.weight, out_dtype=torch.float32 if fp32 else hidden.dtype)[:, :real]
+            if streams_weight(hidden):  # one row: the skinny kernel streams the head faster than cuBLAS
+                return stream_product(hidden, self.weight, out_dtype=torch.float32 if fp32 else hidden.dtype)[:, :real]
             logits = self._fp32_product(hidden) if fp32 else self.matmul(hidden)
         if logits is None:
             logits = self.matmul(hidden).float()
         return logits[:, :real]
 
     def _fp32_product(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """fp32 logits straight from the product: a bf16 [S, V] result and its conversion cost ~75 us
-        a step net at 256 rows of a 128k vocabulary (H200, benchmarks/KERNELS.md); None where torch
-        cannot."""
+        """fp32 logits straight from the product (no bf16 [S, V] result and its conversion); None where
+        torch cannot."""
         if self.fp32_product is False:
             return None
         try:

@@ -1,24 +1,14 @@
-"""A decoder layer's MLP at one row on a GPU in one launch (kernels/decode_mlp.py): the add + RMSNorm,
-gate/up, SiLU-and-mul and down of a decode of one sequence, whose products are streams of weights.
+"""A decoder layer's MLP at one row on a GPU in one launch (kernels/decode_mlp.py, or for H = 2,048
+kernels/decode_mlp_gluon.py's where its start-up check passed): a decode of one sequence.
 
-The kernel reads the down projection's weight transposed, so each layer keeps a transposed copy of it
-(W_down^T [I, H], made once at start-up: 2 * I * H bytes a layer, e.g. 537 MB for llama-3.2-1b), and
-an fp32 sum [1, H] that the kernel's programs add into. The next layer's norm takes that sum as
-split-K parts of one part (layers/linear.SplitParts: the skinny qkv product reads it as it norms, the
-final norm sums it). Each layer's kernel zeroes the next layer's sum (the last layer's: the first's),
-which is why every step must run all layers, as every forward does; one that raised part-way (an
-eager step) left the first layer's sum unzeroed, and the next forward zeroes it first. A graph's
-replay always runs all of its kernels.
-
-Taken where it pays (H200, KERNELS.md session 19): one GPU (a row-parallel down projection would
-need its all-reduce), 16-bit weights, no MLP bias, a gate/up of at most MAX_GATE_UP elements, and
-one that the skinny kernel would not read through TMA (qwen2.5-0.5b's, H <= 1024, which is faster
-that way). BATCHGEN_ONE_ROW_MLP=0 turns it off. For llama-3.2-1b's H the kernel is
-kernels/decode_mlp_gluon.py's where its start-up check passes (BATCHGEN_GLUON_MLP=0: never).
+Each layer keeps a transposed copy of its down weight (W_down^T [I, H], 2 * I * H bytes) and an fp32
+sum [1, H] its kernel adds into; the next layer's norm takes that sum as one split-K part
+(layers/linear.SplitParts). Each layer's kernel zeroes the next layer's sum (the last's: the first's),
+so a step must run all layers; a forward that raised part-way leaves the first sum for the next to zero.
+Taken on one GPU, for 16-bit weights without bias, a gate/up of at most MAX_GATE_UP elements, and one
+the skinny kernel would not read through TMA.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -27,8 +17,7 @@ from batchgen.kernels.decode_mlp import decode_mlp, supports
 from batchgen.kernels.skinny_gemm import uses_tma
 from batchgen.layers.linear import SplitParts
 
-# The largest gate/up weight (elements) taken: llama-3.2-1b's (2^25) gained, W-decode1 0.912 against
-# 0.951 ms a token; llama-3.1-8b's (3.5x larger) lost, 4.80 against 4.54 (H200, KERNELS.md session 19).
+# The largest gate/up weight (elements) taken: llama-3.2-1b's gained, llama-3.1-8b's (3.5x larger) lost
 MAX_GATE_UP = 1 << 25
 
 
@@ -52,8 +41,10 @@ class OneRowMLP:
             if self.open:  # the last forward raised part-way (an eager step): the last layer never zeroed this
                 self.sum.zero_()
             self.open = True
-        new_residual = decode_mlp(x, residual, norm.weight, norm.eps, self.w_gate_up, self.w_down_t, self.sum,
-                                  self.next.sum)
+        # the persistent Gluon kernel where its check passed (H = 2,048), else the Triton one
+        gluon = decode_mlp_gluon.usable(x.device, residual.dtype, self.w_down_t.shape[1])
+        mlp = decode_mlp_gluon.decode_mlp_gluon if gluon else decode_mlp
+        new_residual = mlp(x, residual, norm.weight, norm.eps, self.w_gate_up, self.w_down_t, self.sum, self.next.sum)
         if self.next is self.first:
             self.first.open = False
         return self.parts, new_residual
@@ -61,7 +52,7 @@ class OneRowMLP:
 
 def one_row_mlps(mlps: list, device: torch.device, tp_size: int) -> list[OneRowMLP] | None:
     """linked_one_row_mlps(mlps) where the engine takes them, else None (see the module's docstring)."""
-    if os.environ.get("BATCHGEN_ONE_ROW_MLP", "1") == "0" or device.type != "cuda" or tp_size != 1 or len(mlps) < 2:
+    if device.type != "cuda" or tp_size != 1 or len(mlps) < 2:
         return None
     gate_up, down = mlps[0].gate_up_proj, mlps[0].down_proj
     hidden = down.weight.shape[0]

@@ -1,24 +1,12 @@
-"""CPU matrix products with the weight packed once, for oneDNN.
+"""Every layer's product (PackableWeight.matmul), and on CPU the weight packed once for oneDNN.
 
-On CPU, F.linear hands oneDNN the weight in its plain [out, in] layout and oneDNN re-lays it out into
-its blocked format on every call. Packing once, after the weights are loaded, makes the products of
-a decode step 1.1-1.4x faster in bf16 and 1.3-2.5x in fp32 (SmolLM2-135M's shapes, 1 to 64 rows, on
-a 2-core AVX512-BF16 EPYC; the 49152-row LM head 1.4x in bf16), with bit-identical results in bf16.
-
-torch reaches this packing through the ops its compiler uses for frozen CPU graphs
-(mkldnn._reorder_linear_weight, mkldnn._linear_pointwise). Where those are missing, or do not give
-F.linear's result on a probe, the layers keep F.linear.
-
-PackableWeight.matmul is every layer's product: packed on CPU, F.linear elsewhere, except one row of
-16-bit activations on a GPU (the decode of a single sequence) with a weight of at most 2^24 elements,
-or one the kernel reads through TMA, which the skinny kernel streams (kernels/skinny_gemm.py: 9-20%
-under cuBLAS's batch-1 products on llama-3.2-1b's qkv, o and down in CUDA graphs on an H200; the down
-projection takes silu(gate) * up as it reads, and layernorm.normed_product gives qkv and gate/up
-their RMSNorm the same way: a kernel less each). On Hopper, 2 to 64 rows of an MLP's gate/up, and
-of o and down projections on one GPU, go to the tile kernel where kernels/tile_gemm.tile_for takes them
-(65 to 256 rows where start-up timing found it faster than cuBLAS: engine/product_tuning.py):
-gate/up with its SiLU-and-mul applied (a kernel less), o and down in split-K parts that the add +
-RMSNorm after them sums.
+On CPU F.linear hands oneDNN the plain [out, in] weight, which it re-lays out on every call; packing
+once after loading (torch's mkldnn._reorder_linear_weight / _linear_pointwise, where a probe gives
+F.linear's result) makes the products faster, bit for bit in bf16. On a GPU: one row of 16-bit
+activations streams its weight through the skinny kernel (kernels/skinny_gemm.py) where the weight has
+at most SKINNY_MAX_WEIGHT elements or TMA reads it; on Hopper 2 to 64 rows of gate/up (with its
+SiLU-and-mul) and of o and down (split-K parts the next add + RMSNorm sums) take the tile kernel where
+kernels/tile_gemm.tile_for says so; everything else is F.linear.
 """
 from __future__ import annotations
 
@@ -27,7 +15,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import silu_and_mul
+from batchgen.kernels import decode_mlp_gluon, silu_and_mul
 from batchgen.kernels.skinny_gemm import skinny_gemm, uses_tma
 from batchgen.kernels.tile_gemm import tile_for, tile_gemm
 
@@ -59,18 +47,26 @@ def can_pack(dtype: torch.dtype) -> bool:
     return got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-# Layer weights up to this size go to the skinny kernel at one row; cuBLAS was as fast or faster on
-# larger ones (llama-3.2-1b's gate/up, llama-3.1-8b's qkv, gate/up and down; H200, KERNELS.md). LM
-# heads, far larger, stream faster again (ParallelLMHead asks streams_weight alone).
-# The same holds with the RMSNorm applied in the product: handing llama-3.2-1b's gate/up (2^25) to it
-# too made W-decode1 slower (1.119 vs 1.093 ms), though it saves a norm launch. Weights the kernel
-# reads through TMA (Hopper, rows of at most 1,024: skinny_gemm.uses_tma) stream at any size.
+# Layer weights up to this size go to the skinny kernel at one row (cuBLAS is as fast on larger ones,
+# with or without the norm in the product); LM heads, far larger, stream faster again (ParallelLMHead
+# asks streams_weight alone), and so do weights read through TMA (skinny_gemm.uses_tma), at any size.
 SKINNY_MAX_WEIGHT = 1 << 24
 
 
 def streams_weight(x: torch.Tensor) -> bool:
     """Whether a product with x [T, in] goes to the skinny kernel: one row, 16-bit, on a GPU."""
     return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def stream_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """skinny_gemm's product; on a GPU, one row whose weight fits the Gluon ring whole (llama-3.2-1b's o:
+    decode_mlp_gluon.row_product_takes) through that ring instead."""
+    if x.is_cuda and bias is None and not silu_mul and decode_mlp_gluon.row_product_takes(x, weight):
+        return decode_mlp_gluon.row_product_gluon(x, weight, out_dtype, out)
+    return skinny_gemm(x, weight, bias, silu_mul, out_dtype, out)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -106,7 +102,7 @@ class PackableWeight:
         fp32 [S, T, out]. out [T, out]: where the GPU's product (no bias) is written, unless it comes
         in parts; the CPU's packed product returns a new tensor."""
         if self.streams(x):
-            return skinny_gemm(x, self.weight, bias, silu_mul, out=out if bias is None else None)
+            return stream_product(x, self.weight, bias, silu_mul, out=out if bias is None else None)
         if silu_mul:
             x = silu_and_mul(x)
         tile = tile_for(x, self.weight, silu_mul_out, parts_ok) if bias is None and self.packed is None else None

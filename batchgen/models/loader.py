@@ -10,6 +10,7 @@ from safetensors import safe_open
 from torch import nn
 
 from batchgen.forward.parallel import SINGLE, TensorParallel
+from batchgen.kernels.device import use_pdl
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.model_config import ModelConfig
 
@@ -62,8 +63,11 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
 
 def build_model(
     cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-    tp: TensorParallel = SINGLE,
+    tp: TensorParallel = SINGLE, pdl: bool = True,
 ) -> LlamaForCausalLM:
+    """The model with its weights; pdl: whether its kernels take programmatic dependent launch where the
+    GPU has it (EngineConfig.pdl)."""
+    use_pdl(pdl)
     with torch.device(device):
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)

@@ -80,6 +80,3 @@ def test_taken_only_on_one_gpu_with_two_layers_or_more(monkeypatch):
         assert one_row_mlps(gpu_mlps[:1], cuda, 1) is None and one_row_mlps(gpu_mlps, cuda, 2) is None
         monkeypatch.setattr(one_row_mlp, "MAX_GATE_UP", 2 * I * H - 1)
         assert one_row_mlps(gpu_mlps, cuda, 1) is None  # a gate/up larger than those it pays for
-        monkeypatch.undo()
-        monkeypatch.setenv("BATCHGEN_ONE_ROW_MLP", "0")
-        assert one_row_mlps(gpu_mlps, cuda, 1) is None

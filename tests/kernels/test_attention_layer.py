@@ -111,8 +111,9 @@ def test_one_decode_row_in_one_launch_equals_three_kernels(monkeypatch, assert_c
     monkeypatch.setattr(attention, "rope_decode_attention", counted)
 
     def run(one_launch):
-        monkeypatch.setattr(attention, "one_row_attention_enabled", lambda: one_launch)
         layer = Attention(HQ, HK, head_dim, head_dim**-0.5)
+        if not one_launch:  # the layer's other way: rope_store_kv, then decode attention
+            layer._takes_one_launch = lambda q, batch: False
         layer.k_cache, layer.v_cache = b.k_cache.clone(), b.v_cache.clone()
         views = [x.view(1, -1, head_dim) for x in qkv.clone().split([HQ * head_dim, HK * head_dim, HK * head_dim], -1)]
         q, k, v = views if layout == "views" else [x.clone() for x in views]

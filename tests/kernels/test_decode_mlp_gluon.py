@@ -1,8 +1,12 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from batchgen.kernels import decode_mlp_gluon
 from batchgen.kernels.decode_mlp import decode_mlp, decode_mlp_ref
+from batchgen.layers.one_row_mlp import OneRowMLP
+from batchgen.layers.packed_linear import stream_product
 from tests.kernels.test_decode_mlp import _inputs
 
 needs_gluon = pytest.mark.skipif(decode_mlp_gluon.gluon is None, reason="this Triton has no Gluon")
@@ -41,33 +45,34 @@ def test_decode_mlp_gluon_fp32_input():
     torch.testing.assert_close(out_sum, want_sum, rtol=2e-2, atol=2e-2 * want_sum.abs().max().item())
 
 
+def _linked_pair(w_gate_up, w_down_t):
+    """Two OneRowMLPs of the same weights, each the other's next layer (a layer's sum is not the next's)."""
+    first, second = OneRowMLP(w_gate_up, w_down_t.t()), OneRowMLP(w_gate_up, w_down_t.t())
+    first.next, second.next, first.first, second.first = second, first, first, first
+    return first
+
+
 @pytest.mark.gpu
 @needs_gluon
-def test_decode_mlp_takes_gluon_after_its_check(monkeypatch):
-    """decode_mlp takes the persistent kernel only once its check passed, for H = 2048 only, and
-    BATCHGEN_GLUON_MLP=0 keeps the Triton kernel."""
+def test_one_row_mlp_takes_gluon_after_its_check(monkeypatch):
+    """The one-row MLP layer takes the persistent kernel only once its check passed, for H = 2048 only."""
     device = torch.device("cuda")
     launches = []
     real = decode_mlp_gluon.decode_mlp_gluon
-    monkeypatch.setattr("batchgen.kernels.decode_mlp.decode_mlp_gluon", lambda *a: launches.append(1) or real(*a))
+    monkeypatch.setattr(decode_mlp_gluon, "decode_mlp_gluon", lambda *a: launches.append(1) or real(*a))
     monkeypatch.setattr(decode_mlp_gluon, "_CHECKED", {})
 
     def run(h, inter):
         x, residual, norm_weight, w_gate_up, w_down_t = _inputs(h, inter, torch.bfloat16, "cuda")
-        out_sum, next_sum = torch.zeros(1, h, device="cuda"), torch.zeros(1, h, device="cuda")
-        decode_mlp(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t, out_sum, next_sum)
-        torch.testing.assert_close(out_sum, decode_mlp_ref(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t)[0],
+        layer = _linked_pair(w_gate_up, w_down_t)
+        layer(SimpleNamespace(weight=norm_weight, eps=1e-5), x, residual)
+        torch.testing.assert_close(layer.sum, decode_mlp_ref(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t)[0],
                                    rtol=2e-2, atol=2e-2)
 
     run(2048, 256)
     assert launches == []  # not checked yet: the Triton kernel
-    monkeypatch.setenv("BATCHGEN_GLUON_MLP", "0")
-    assert not decode_mlp_gluon.check(device, torch.bfloat16, 2048)
-    run(2048, 256)
-    assert launches == []
-    monkeypatch.setattr(decode_mlp_gluon, "_CHECKED", {})
-    monkeypatch.delenv("BATCHGEN_GLUON_MLP")
     if torch.cuda.get_device_capability()[0] < 9:
+        assert not decode_mlp_gluon.check(device, torch.bfloat16, 2048)
         pytest.skip("the persistent kernel is taken on Hopper and later")
     assert decode_mlp_gluon.check(device, torch.bfloat16, 2048)
     run(2048, 256)
@@ -122,30 +127,27 @@ def test_row_product_gluon(dtype, n, out_dtype):
 
 @pytest.mark.gpu
 @needs_gluon
-def test_skinny_gemm_takes_the_row_product_where_it_fits(monkeypatch):
-    """skinny_gemm sends a one-row product with H = 2048 rows and at most TILES blocks an SM to the
-    Gluon kernel once its check passed; not an LM head's, not with BATCHGEN_GLUON_ROW=0."""
-    from batchgen.kernels.skinny_gemm import skinny_gemm
+def test_stream_product_takes_the_row_product_where_it_fits(monkeypatch):
+    """The layers' one-row product goes to the Gluon kernel for H = 2048 rows and at most TILES blocks
+    an SM once its check passed; not an LM head's, not two rows."""
     launches = []
     real = decode_mlp_gluon.row_product_gluon
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     o, head = (torch.randn(n, 2048, device="cuda", dtype=torch.bfloat16) * 0.02 for n in (2048, 128256))
     monkeypatch.setattr(decode_mlp_gluon, "_ROW_CHECKED", {})
-    monkeypatch.setenv("BATCHGEN_GLUON_ROW", "0")
-    assert not decode_mlp_gluon.row_product_takes(x, o)
-    monkeypatch.setattr(decode_mlp_gluon, "_ROW_CHECKED", {})
-    monkeypatch.delenv("BATCHGEN_GLUON_ROW")
     if torch.cuda.get_device_capability()[0] < 9:
+        assert not decode_mlp_gluon.row_product_takes(x, o)
         pytest.skip("the Gluon kernels are taken on Hopper and later")
     assert decode_mlp_gluon.row_product_takes(x, o)  # (its check, with the real kernel)
     monkeypatch.setattr(decode_mlp_gluon, "row_product_gluon", lambda *a: launches.append(1) or real(*a))
-    torch.testing.assert_close(skinny_gemm(x, o).float(), (x.float() @ o.float().t()), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(stream_product(x, o).float(), (x.float() @ o.float().t()), rtol=1e-2, atol=1e-2)
     assert launches == [1]
-    skinny_gemm(x, head, out_dtype=torch.float32)  # too many blocks for the ring: the skinny kernel
-    skinny_gemm(torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16), o)  # two rows: the skinny kernel
+    stream_product(x, head, out_dtype=torch.float32)  # too many blocks for the ring: the skinny kernel
+    stream_product(torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16), o)  # two rows: the skinny kernel
     assert launches == [1]
 
 
 def test_row_product_never_taken_off_the_gpu():
     x, w = torch.randn(1, 2048), torch.randn(2048, 2048)
     assert not decode_mlp_gluon.row_product_takes(x.bfloat16(), w.bfloat16())
+    torch.testing.assert_close(stream_product(x, w), x @ w.t(), rtol=1e-4, atol=1e-4)  # skinny_gemm's reference

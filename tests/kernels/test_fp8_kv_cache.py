@@ -13,7 +13,7 @@ from tests.kernels.test_rope_store_kv import _inputs as rope_inputs
 from batchgen.kernels.decode_attention import decode_attention_cpu, decode_attention_ref, decode_attention_triton
 from batchgen.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 from batchgen.kernels.rope_store_kv import rope_store_kv_ref, rope_store_kv_triton
-from batchgen.kernels.store_kv import FP8_E4M3_MAX, cast_for_cache, store_kv_ref, store_kv_triton
+from batchgen.kernels.kv_dtype import FP8_E4M3_MAX, cast_for_cache
 from batchgen.kernels.unified_attention import unified_attention_ref, unified_attention_triton
 
 FP8 = torch.float8_e4m3fn
@@ -47,16 +47,20 @@ def test_cast_for_cache_saturates_instead_of_nan():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv_into_fp8_pool(device, dtype):
+def test_store_into_fp8_pool(device, dtype):
+    """rope_store_kv's stores at position 0 (cos 1, sin 0: k unrotated): k and v as cast_for_cache casts them."""
     gen = torch.Generator().manual_seed(1)
+    q = torch.randn(9, 6, 20, generator=gen).to(device, dtype)
     k = _store_values(torch.randn(9, 3, 20, generator=gen) * 200).to(device, dtype)  # some past fp8's range
     v = _store_values(torch.randn(9, 3, 20, generator=gen)).to(device, dtype)
     slots = torch.randperm(30, generator=gen)[:9].int().to(device)
+    positions = torch.zeros(9, dtype=torch.int32, device=device)
+    cos_sin = torch.cat((torch.ones(1, 10), torch.zeros(1, 10)), dim=1).to(device)
     k_cache = torch.zeros(30, 3, 20, dtype=FP8, device=device)
     v_cache = torch.zeros(30, 3, 20, dtype=FP8, device=device)
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    store_kv_triton(k, v, k_cache, v_cache, slots)
-    store_kv_ref(k, v, ref_k, ref_v, slots.long())
+    rope_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+    ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    ref_k[slots.long()], ref_v[slots.long()] = cast_for_cache(k, FP8), cast_for_cache(v, FP8)
     assert torch.equal(_bits(k_cache), _bits(ref_k)) and torch.equal(_bits(v_cache), _bits(ref_v))
     assert k_cache.float().abs().max() == FP8_E4M3_MAX and torch.isfinite(k_cache.float()).all()
 

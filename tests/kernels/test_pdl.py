@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from batchgen.kernels import pdl
+from batchgen.kernels import device
 from batchgen.kernels.decode_attention import decode_attention
 from batchgen.kernels.gumbel_argmax import gumbel_argmax
 from batchgen.kernels.rmsnorm import add_rmsnorm, rmsnorm
@@ -12,7 +12,29 @@ from batchgen.kernels.unified_attention import unified_attention
 
 
 def test_no_pdl_off_the_gpu():
-    assert pdl.pdl_launch_args(torch.device("cpu")) == {"PDL": False}
+    assert device.pdl_launch_args(torch.device("cpu")) == {"PDL": False}
+
+
+def test_use_pdl_false_turns_it_off_on_a_gpu_too():
+    """EngineConfig.pdl = False (use_pdl(False)): no kernel asks for PDL, whatever the GPU."""
+    try:
+        device.use_pdl(False)
+        assert device.pdl_launch_args(torch.device("cuda", 0)) == {"PDL": False}
+    finally:
+        device.use_pdl(True)
+
+
+def test_build_model_passes_engine_config_pdl(tiny_model):
+    """build_model(pdl=False) (the runner passes EngineConfig.pdl) turns PDL off for the model's kernels."""
+    from batchgen.models.loader import build_model
+    from batchgen.models.model_config import load_model_config
+
+    model_dir = tiny_model("llama")
+    try:
+        build_model(load_model_config(model_dir), model_dir, torch.float32, torch.device("cpu"), 64, pdl=False)
+        assert device.pdl_launch_args(torch.device("cuda", 0)) == {"PDL": False}
+    finally:
+        device.use_pdl(True)
 
 
 def _decode_chain(x, weights, cache, fixed, steps):
@@ -45,10 +67,10 @@ def _decode_chain(x, weights, cache, fixed, steps):
 
 
 @pytest.mark.gpu
-def test_dependent_kernels_with_pdl_match_them_without(monkeypatch):
+def test_dependent_kernels_with_pdl_match_them_without():
     """Every kernel that takes PDL, chained as in a decode step, run eagerly with PDL and replayed
     from a CUDA graph with PDL, gives bit for bit what the same kernels give eagerly without it."""
-    if not pdl.pdl_launch_args(torch.device("cuda")).get("PDL"):
+    if not device.pdl_launch_args(torch.device("cuda")).get("PDL"):
         pytest.skip("this GPU or Triton has no programmatic dependent launch")
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
@@ -72,10 +94,12 @@ def test_dependent_kernels_with_pdl_match_them_without(monkeypatch):
         k_cache = torch.zeros(slots, 2, 64, device=dev, dtype=dt)
         return k_cache, torch.zeros_like(k_cache), cos_sin, req_to_token
 
-    with monkeypatch.context() as m:
-        m.setattr(pdl, "_supported", lambda index: False)
-        assert pdl.pdl_launch_args(torch.device(dev)) == {"PDL": False}
+    try:
+        device.use_pdl(False)
+        assert device.pdl_launch_args(torch.device(dev)) == {"PDL": False}
         want = _decode_chain(x, weights, fresh_cache(), fixed, steps)
+    finally:
+        device.use_pdl(True)
     eager = _decode_chain(x, weights, fresh_cache(), fixed, steps)  # with PDL (and compiles it)
     torch.cuda.synchronize()
     for got, expected in zip(eager, want):

@@ -2,8 +2,6 @@ import pytest
 import torch
 
 from batchgen.kernels.rope_store_kv import rope_store_kv, rope_store_kv_ref, rope_store_kv_triton
-from batchgen.kernels.rotary import apply_rotary_triton
-from batchgen.kernels.store_kv import store_kv_triton
 from tests.kernels.test_rotary import _cos_sin_cache
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -60,20 +58,6 @@ def test_rope_store_kv(device, assert_close, dtype, tokens, q_heads, kv_heads, h
     rope_store_kv_triton(*args)
     _assert_same_outcome(assert_close, args, expected, args[7])
     assert torch.equal(args[1], k_before)  # k is only read
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rope_store_kv_equals_the_unfused_kernels(device, assert_close, dtype):
-    """What apply_rotary then store_kv write: q (the same code) and v bit for bit, the rotated keys
-    within rounding (the compiler may contract the products differently)."""
-    args = _inputs(11, 6, 2, 32, 40, dtype, device, seed=1)
-    unfused = _clone(args)
-    q, k, v, positions, cache, k_cache, v_cache, slots = unfused
-    apply_rotary_triton(q, k, positions, cache)
-    store_kv_triton(k, v, k_cache, v_cache, slots)
-    rope_store_kv_triton(*args)
-    assert torch.equal(args[0], unfused[0]) and torch.equal(args[6], unfused[6])
-    assert_close(args[5], unfused[5])
 
 
 @pytest.mark.interpreter_bf16

@@ -1,15 +1,11 @@
+"""The engine's CPU rotation (rope_store_kv's CPU path) against the reference; the model's cos/sin table."""
 import pytest
 import torch
 
-from batchgen.kernels.rotary import apply_rotary_cpu, apply_rotary_ref, apply_rotary_triton
+from batchgen.kernels.rope_store_kv import apply_rotary_cpu, apply_rotary_ref
 from batchgen.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (tokens, q heads, kv heads, head_dim): head_dim/2 not a power of 2 for 20 and 80.
-SHAPES = [(1, 1, 1, 8), (7, 4, 2, 20), (13, 6, 3, 64)] + [
-    pytest.param(*s, marks=pytest.mark.gpu)
-    for s in [(257, 32, 8, 64), (1031, 32, 8, 128), (5, 14, 2, 80), (3, 40, 8, 128)]
-]
 
 
 def _cos_sin_cache(max_pos, head_dim, device):
@@ -35,31 +31,6 @@ def _assert_rotates_like_ref(rotate, assert_close, qkv, q, k, positions, cache):
     assert_close(q, ref_q)
     assert_close(k, ref_k)
     assert torch.equal(qkv[:, v_start:], v_before)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", SHAPES)
-def test_rotary_on_fused_qkv_views(device, assert_close, dtype, tokens, q_heads, kv_heads, head_dim):
-    torch.manual_seed(0)
-    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
-    q, k = _fused_views(qkv, q_heads, kv_heads, head_dim)
-    positions = torch.randint(0, 5000, (tokens,), device=device)
-    positions[0] = 0
-    cache = _cos_sin_cache(5000, head_dim, device)
-    _assert_rotates_like_ref(apply_rotary_triton, assert_close, qkv, q, k, positions, cache)
-
-
-def test_rotary_contiguous_int32_positions(device, assert_close):
-    torch.manual_seed(1)
-    q = torch.randn(5, 3, 16, device=device)
-    k = torch.randn(5, 1, 16, device=device)
-    cache = _cos_sin_cache(64, 16, device)
-    positions = torch.tensor([3, 3, 0, 63, 17], dtype=torch.int32, device=device)
-    ref_q, ref_k = q.clone(), k.clone()
-    apply_rotary_ref(ref_q, ref_k, positions.long(), cache)
-    apply_rotary_triton(q, k, positions, cache)
-    assert_close(q, ref_q)
-    assert_close(k, ref_k)
 
 
 @pytest.mark.interpreter_bf16

@@ -1,12 +1,12 @@
-"""Programmatic dependent launch (PDL; Hopper and later GPUs) for the engine's Triton kernels.
+"""What the launchers ask of the GPU: its index, its SM count, the Triton interpreter, and
+programmatic dependent launch (PDL, Hopper and later).
 
-A kernel launched with PDL may be put on the SMs while the kernel before it in the stream is still
-running, so its launch and start-up overlap that kernel's tail instead of following it. In a decode
-step of one sequence, ~140 small kernels run back to back and each such gap is a few microseconds
-(benchmarks/KERNELS.md). The rules that keep it correct, for every kernel that takes PDL:
+PDL lets a kernel be put on the SMs while the kernel before it in the stream still runs, so its
+launch and start-up overlap that kernel's tail. The rules that keep it correct, for every kernel
+that takes PDL:
 
-- before `wait_for_prior_kernels(PDL)` (griddepcontrol.wait: the kernel before it has finished
-  and its writes are visible) a kernel reads only data that the kernel before it does not write
+- before `wait_for_prior_kernels(PDL)` (griddepcontrol.wait: the kernel before it has finished and
+  its writes are visible) a kernel reads only data that the kernel before it does not write
   (weights; kernels/rope_decode_attention.py also the step's index arrays and the cached K/V of
   earlier steps: every kernel before that one has finished, by the next rule), and writes nothing;
 - right after the wait it lets the next kernel start (griddepcontrol.launch_dependents), so at most
@@ -17,7 +17,7 @@ step of one sequence, ~140 small kernels run back to back and each such gap is a
 
 Any kernel after the wait has finished: the one before it waited for its own predecessor, and so on.
 Kernels launched without PDL (torch's, cuBLAS, NCCL) keep the stream's full order. CUDA graphs
-capture the launches as programmatic edges. BATCHGEN_PDL=0 turns it off.
+capture the launches as programmatic edges. EngineConfig.pdl = False turns it off (`use_pdl`).
 """
 from __future__ import annotations
 
@@ -29,10 +29,37 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as cuda_extra
 
+_NUM_SMS: dict[int, int] = {}
+_pdl_wanted = True  # EngineConfig.pdl, set by the model's builder (use_pdl)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1: the kernel tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index ("cuda" alone: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def num_sms(device: torch.device) -> int:
+    index = device_index(device)
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def use_pdl(enabled: bool) -> None:
+    """Whether kernels launched from now on take PDL where the GPU has it (EngineConfig.pdl; set when
+    the model is built, before any kernel is compiled or captured)."""
+    global _pdl_wanted
+    _pdl_wanted = enabled
+
 
 @functools.cache
-def _supported(device_index: int) -> bool:
-    if os.environ.get("BATCHGEN_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+def _pdl_supported(device_index: int) -> bool:
+    if interpreting():
         return False
     if torch.cuda.get_device_capability(device_index)[0] < 9 or not hasattr(cuda_extra, "gdc_wait"):
         return False
@@ -45,8 +72,8 @@ def _supported(device_index: int) -> bool:
 
 def pdl_launch_args(device: torch.device) -> dict:
     """Keyword arguments for a launch of a kernel that takes PDL: {PDL, launch_pdl} on a GPU that
-    has it, {PDL: False} elsewhere (CPU interpreter, older GPUs, older Triton)."""
-    if device.type == "cuda" and _supported(device.index if device.index is not None else torch.cuda.current_device()):
+    has it, {PDL: False} elsewhere (CPU interpreter, older GPUs, older Triton, use_pdl(False))."""
+    if _pdl_wanted and device.type == "cuda" and _pdl_supported(device_index(device)):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 
