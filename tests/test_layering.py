@@ -1,13 +1,17 @@
-"""The tree's layering: the engine sits above the model, so layers/, models/, kernels/ and forward/
-never import from engine/ (nor from io/, queue/ or the CLI); kernels/ import no other part of
-batchgen; and no module of batchgen imports itself through others (no import circle)."""
+"""The tree's layering, top down: the CLI, io/ and queue/; llm.py; engine/ (the host: the loop, scheduling,
+finish rules); executor/ (the device: model runner, memory, graphs, sampling); models/; layers/;
+parallel/ (the tensor-parallel group); kernels/. No floor imports a floor above it, the host reaches the
+model only through the executor, kernels/ import no other part of batchgen, and no module imports
+itself through others (no import circle)."""
 import ast
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "batchgen"
-ABOVE = ("batchgen.engine", "batchgen.io", "batchgen.queue", "batchgen.cli", "batchgen.llm")
+ABOVE = ("batchgen.engine", "batchgen.executor", "batchgen.io", "batchgen.queue", "batchgen.cli", "batchgen.llm",
+         "batchgen.ray")
+HOST = ("batchgen.engine", "batchgen.io", "batchgen.queue", "batchgen.cli", "batchgen.llm", "batchgen.ray")
 
 
 def module_name(path: Path) -> str:
@@ -69,7 +73,7 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("lower", ["layers", "models", "kernels", "forward"])
+@pytest.mark.parametrize("lower", ["layers", "models", "kernels", "parallel"])
 def test_lower_packages_do_not_import_upwards(lower):
     files = sorted((PACKAGE / lower).rglob("*.py"))
     assert files
@@ -82,8 +86,29 @@ def test_lower_packages_do_not_import_upwards(lower):
     assert not upward
 
 
+def test_the_executor_does_not_import_the_host():
+    upward = {
+        f"{f.relative_to(PACKAGE)} imports {m}"
+        for f in sorted((PACKAGE / "executor").rglob("*.py"))
+        for m in imported_modules(f)
+        if m.startswith(HOST)
+    }
+    assert not upward
+
+
+def test_the_host_reaches_the_model_only_through_the_executor():
+    """engine/ plans steps and judges tokens; what runs on the device (kernels, layers) is the executor's."""
+    past = {
+        f"{f.relative_to(PACKAGE)} imports {m}"
+        for f in sorted((PACKAGE / "engine").rglob("*.py"))
+        for m in imported_modules(f)
+        if m.startswith(("batchgen.kernels", "batchgen.layers"))
+    }
+    assert not past
+
+
 def test_kernels_import_nothing_else_of_batchgen():
-    """kernels/ is the floor: not layers/, forward/, models/ nor the config (settings come as arguments)."""
+    """kernels/ is the floor: not layers/, parallel/, models/ nor the config (settings come as arguments)."""
     outside = {
         f"{f.relative_to(PACKAGE)} imports {m}"
         for f in sorted((PACKAGE / "kernels").rglob("*.py"))

@@ -174,7 +174,7 @@ class Sequence:
         self.matcher = None
         self.error: str | None = None  # set when the sequence failed in the engine (its grammar)
         # its tokens come from a plain sample of the logits alone (argmax or Gumbel-max): set by
-        # build_sequence (runner.ModelRunner.logits_dtype)
+        # build_sequence (model_runner.ModelRunner.logits_dtype)
         self.plain_sampling = False
 
     @property

@@ -3,7 +3,7 @@ launches from Python. Two ladders, all graphs sharing one memory pool:
 
 - decode graphs, one per batch size (1, 2, 4, 8, 16, 32, ..., max_num_seqs), for decode-only steps:
   the split-KV decode attention kernel, which spreads long contexts over the GPU. A decode graph
-  starts from the step's packed inputs (engine/step_inputs.py), which the host copies to a static
+  starts from the step's packed inputs (executor/step_inputs.py), which the host copies to a static
   buffer in one copy: its first kernel (kernels/unpack_decode.py) writes the static inputs, the
   pending tokens from the step in flight (`last_tokens`) and the token table;
 - step graphs, one per padded token count (64, 128, ..., max_num_batched_tokens), for steps that
@@ -23,7 +23,7 @@ import torch
 
 from batchgen.executor.kv_cache import KVCache
 from batchgen.executor.step_inputs import FIELDS, HEADER, SCALARS
-from batchgen.forward.batch import ForwardBatch
+from batchgen.layers.forward_batch import ForwardBatch
 from batchgen.kernels.longest_first import is_ordered, longest_first
 from batchgen.kernels.unpack_decode import unpack_decode
 

@@ -45,7 +45,7 @@ class StepInputs:
     num_sampled: int  # sequences that sample a token: the first num_sampled logits rows
     decode_max_kv_len: int
     prefill_max_q_len: int
-    sample_from_shards: int  # 1: each rank samples from its shard of the vocabulary (engine/shard_sampling.py)
+    sample_from_shards: int  # 1: each rank samples from its shard of the vocabulary (executor/sampling.py)
     sizes: list[int]  # per FIELDS entry
 
     @classmethod

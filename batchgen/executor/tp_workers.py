@@ -28,7 +28,7 @@ from batchgen.executor.processes import (
     EXIT_FAILED, EXIT_PARENT_GONE, EXIT_STOPPED, ChildGroup, exit_now, report_failure, watch_parent,
 )
 from batchgen.executor.step_inputs import StepInputs
-from batchgen.forward.parallel import TensorParallel, connect
+from batchgen.parallel.tensor_parallel import TensorParallel, connect
 
 STOP = b""  # the step message that ends a worker
 FAILURE_GRACE_S = 3.0  # how long rank 0 waits for a worker's report after one of its collectives failed

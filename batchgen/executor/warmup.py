@@ -16,7 +16,7 @@ import torch
 import triton
 
 from batchgen.executor.kv_cache import KVCache
-from batchgen.forward.batch import ForwardBatch
+from batchgen.layers.forward_batch import ForwardBatch
 from batchgen.kernels.decode_attention import dense_tile_batch_sizes
 from batchgen.kernels.device import num_sms
 from batchgen.kernels.gumbel_argmax import gumbel_max
@@ -84,7 +84,7 @@ def reset_synthetic_rows(kv: KVCache) -> None:
 
 
 def warm_plain_sampling(logits: torch.Tensor) -> None:
-    """The sampler's paths for a step that only samples its logits (runner.ModelRunner.logits_dtype):
+    """The sampler's paths for a step that only samples its logits (model_runner.ModelRunner.logits_dtype):
     Gumbel-max, its tokens into a kept buffer as with CUDA graphs or not, and greedy."""
     num_rows, dev = logits.shape[0], dict(device=logits.device)
     gumbel = SamplingBatch(
@@ -108,7 +108,7 @@ def warm_sampling(logits: torch.Tensor) -> None:
         steps=torch.zeros(num_rows, dtype=torch.int64, **dev), all_greedy=False, use_top_k_top_p=True,
     ))
     gumbel_max(logits, torch.full((num_rows,), 0.7, **dev), torch.arange(num_rows, **dev),
-               torch.zeros(num_rows, dtype=torch.int64, **dev), 0)  # (a shard's: engine/shard_sampling.py)
+               torch.zeros(num_rows, dtype=torch.int64, **dev), 0)  # (a shard's: executor/sampling.py)
     # constrained rows' mask (every token allowed: the logits stay as they are)
     allow_all = torch.full((1, triton.cdiv(logits.shape[1], 32)), -1, dtype=torch.int32, **dev)
     apply_token_bitmask(logits, allow_all, torch.zeros(1, dtype=torch.int64, **dev))
@@ -131,7 +131,7 @@ def warm_up(runner) -> None:
     for dense in dense_tile_batch_sizes(kv.k.shape[2], num_sms(dev)):
         if dense <= runner.config.max_num_seqs:
             steps.append(([5] * dense, []))
-    # a step that only samples its logits has them in the model's dtype (runner.ModelRunner.logits_dtype)
+    # a step that only samples its logits has them in the model's dtype (model_runner.ModelRunner.logits_dtype)
     narrow = runner.logits_dtype([], []) != torch.float32
     with torch.inference_mode():
         for decode_lens, chunks in steps:
@@ -148,7 +148,7 @@ def warm_up(runner) -> None:
             runner.model.compute_logits(hidden[:rows])
             if narrow:
                 runner.model.compute_logits(hidden[:rows], fp32=False)
-            if runner.tp.size > 1:  # and its shard alone (engine/shard_sampling.py)
+            if runner.tp.size > 1:  # and its shard alone (executor/sampling.py)
                 runner.model.lm_head.shard_logits(hidden[:rows])
         reset_synthetic_rows(kv)
     torch.cuda.synchronize(dev)

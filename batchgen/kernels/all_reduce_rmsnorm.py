@@ -1,7 +1,7 @@
 """All-reduce + residual add + RMSNorm in one kernel, over symmetric memory (tensor parallelism).
 
 After a row-parallel product each rank r of W holds partial sums P_r [M, H] in a buffer that every
-rank has mapped (forward/symmetric_all_reduce.py); every rank needs
+rank has mapped (parallel/symmetric_all_reduce.py); every rank needs
 
     s = P_0 + ... + P_{W-1}           (rank order, fp32, rounded to the dtype: an all-reduce's sum)
     x = s + residual                  (rounded: the new residual)

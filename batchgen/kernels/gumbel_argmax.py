@@ -91,12 +91,12 @@ def _row_key(seed, step):
 @triton.jit(do_not_specialize=["num_rows", "blocks_per_part", "num_parts", "token_offset", "step_offset"],
             do_not_specialize_on_alignment=["temperatures_ptr", "seeds_ptr", "steps_ptr"])
 def _best_group_parts_kernel(
-    logits_ptr,  # [S, V] fp32, or 16-bit (a step that only samples its logits: engine/runner.py)
+    logits_ptr,  # [S, V] fp32, or 16-bit (a step that only samples its logits: executor/model_runner.py)
     logits_stride,  # elements between two rows of logits
     temperatures_ptr,  # [S] fp32, 0 = greedy
     seeds_ptr,  # [S] int64
     steps_ptr,  # [S] int64
-    step_offset,  # added to every row's step (kept sampling parameters: engine/runner.py)
+    step_offset,  # added to every row's step (kept sampling parameters: executor/model_runner.py)
     part_max_ptr,  # [S, P] fp32: the best group score of each part of a row
     part_arg_ptr,  # [S, P] int32: that group (its index in this shard)
     num_rows,  # S

@@ -27,11 +27,11 @@ from batchgen.kernels.skinny_gemm import TensorDescriptor, tma_ok
 MAX_ROWS = 64  # the most rows a product takes a tile at without start-up timing
 MIN_PROGRAMS = 64  # a split plain product with fewer programs streams W too slowly (qwen2.5-0.5b's down)
 # Above MAX_ROWS and up to TUNED_MAX_ROWS a product takes a tile only where start-up timing found one
-# faster than cuBLAS for that shape and row count (engine/product_tuning.py): neither wins everywhere there
+# faster than cuBLAS for that shape and row count (executor/product_tuning.py): neither wins everywhere there
 TUNED_MAX_ROWS = 256
 
 Tile = tuple[int, int, int, int, int, int]  # (BM, BN, BK, stages, warps, SPLIT)
-# (product_key) -> the tile timed faster than cuBLAS, or None where cuBLAS was (engine/product_tuning.py)
+# (product_key) -> the tile timed faster than cuBLAS, or None where cuBLAS was (executor/product_tuning.py)
 tuned: dict[tuple, Tile | None] = {}
 _recording: dict[tuple, dict[int, torch.Tensor]] | None = None
 
@@ -174,7 +174,7 @@ def tile_for(x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False,
         return None
     if not silu_mul_out and not (parts_ok and n <= k):
         return None
-    if m > MAX_ROWS:  # where start-up timing chose a tile (engine/product_tuning.py)
+    if m > MAX_ROWS:  # where start-up timing chose a tile (executor/product_tuning.py)
         key = product_key(x, weight, silu_mul_out, parts_ok)
         if _recording is not None:
             _recording.setdefault(key[:-1], {})[id(weight)] = weight

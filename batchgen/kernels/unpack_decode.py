@@ -1,6 +1,6 @@
 """A decode-only step's packed inputs -> the static inputs of its decode graph, on the device.
 
-The engine stages a step as one int64 array (engine/step_inputs.py): S scalars, then the size of each
+The engine stages a step as one int64 array (executor/step_inputs.py): S scalars, then the size of each
 of F arrays, then the arrays. For a decode-only step replayed from a graph, this op reads that array
 where the host copied it (a static device buffer) and writes, for the graph's P slots:
 

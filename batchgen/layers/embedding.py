@@ -1,6 +1,6 @@
 """Vocabulary-parallel embedding and LM head: rank r holds rows [r * R, (r+1) * R) of the (padded)
 vocabulary, R = V/tp rounded up to whole groups of the sampler (kernels/gumbel_argmax.GROUP: each rank
-samples from its own shard, engine/shard_sampling.py). The embedding zeroes ids of other ranks and
+samples from its own shard, executor/sampling.py). The embedding zeroes ids of other ranks and
 all-reduces; the head computes its slice of the logits and gathers them."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.forward.parallel import SINGLE, TensorParallel
+from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 from batchgen.kernels.gumbel_argmax import GROUP
 from batchgen.layers.packed_linear import PackableWeight, stream_product, streams_weight
 
@@ -54,9 +54,9 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
 
     def shard_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """hidden [S, H] -> this rank's logits [S, V'] in fp32: token ids start + [0, V'), the real
-        vocabulary's part of its rows (all of it at TP=1; engine/shard_sampling.py). fp32=False on a
+        vocabulary's part of its rows (all of it at TP=1; executor/sampling.py). fp32=False on a
         GPU: in hidden's 16-bit dtype, as HF transformers' and vLLM's LM heads write them (a step that
-        only samples them: runner.ModelRunner.logits_dtype); half the bytes to write and read back."""
+        only samples them: model_runner.ModelRunner.logits_dtype); half the bytes to write and read back."""
         real = max(0, min(self.rows_per_rank, self.vocab_size - self.start))
         logits = None
         if hidden.is_cuda and hidden.dtype != torch.float32:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from batchgen.forward.parallel import SINGLE, TensorParallel
+from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 from batchgen.kernels.rmsnorm import add_rmsnorm_parts
 from batchgen.layers.packed_linear import PackableWeight
 
@@ -116,7 +116,7 @@ class RowParallelLinear(PackableWeight, nn.Module):
         norm_follows: the caller's add + RMSNorm takes the output next, so it may get PartialSums,
         which that norm sums over the ranks in its own kernel (layers/layernorm.normed_product), or on
         one GPU SplitParts of a split-K product, which it sums the same way."""
-        # The sum may come back as the symmetric buffer itself (forward/symmetric_all_reduce.py): it is
+        # The sum may come back as the symmetric buffer itself (parallel/symmetric_all_reduce.py): it is
         # valid until the next row-parallel product writes there, so it must be consumed before that
         # (as the add + RMSNorm after each of a layer's two products is); keep it past it only as a copy.
         out = self.tp.reduce_buffer(x.shape[0], self.weight.shape[0], x.dtype) if x.dim() == 2 else None

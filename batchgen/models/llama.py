@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.forward.batch import ForwardBatch
-from batchgen.forward.parallel import SINGLE, TensorParallel
+from batchgen.layers.forward_batch import ForwardBatch
+from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 from batchgen.layers.attention import Attention
 from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from batchgen.layers.layernorm import RMSNorm, normed_product

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from batchgen.forward.parallel import SINGLE, TensorParallel
+from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 from batchgen.kernels.device import use_pdl
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.model_config import ModelConfig

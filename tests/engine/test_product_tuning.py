@@ -1,4 +1,4 @@
-"""Start-up tuning of the products of 65-256 rows (engine/product_tuning.py): which tiles are tried,
+"""Start-up tuning of the products of 65-256 rows (executor/product_tuning.py): which tiles are tried,
 which one is taken, what tile_for then hands the layers, and the choices kept on disk so that a
 machine times once. The timing itself needs a GPU (tests/gpu/test_product_tuning_gpu.py)."""
 import json

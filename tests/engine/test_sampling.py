@@ -279,7 +279,7 @@ def test_which_steps_sample_from_16_bit_logits(llm, fields, plain):
     from types import SimpleNamespace
 
     from batchgen.executor.model_runner import ModelRunner
-    from batchgen.forward.parallel import SINGLE
+    from batchgen.parallel.tensor_parallel import SINGLE
 
     engine = llm.engine
     defaults = SamplingParams(temperature=0.7, max_tokens=4)

@@ -248,7 +248,7 @@ def test_abort_waits_a_bounded_time_and_runs_once():
     second call waits on the same abort instead of starting another."""
     import threading
 
-    from batchgen.forward.parallel import TensorParallel
+    from batchgen.parallel.tensor_parallel import TensorParallel
 
     class SlowGroup:
         def __init__(self):
@@ -275,7 +275,7 @@ def test_layers_hand_partial_sums_to_the_norm_after_each_product(tiny_model, mon
     the final one) sums them. Routed here on one CPU rank through the kernel's reference: the same
     prompt logprobs as the plain path (every position's final norm and LM head), and every o and down
     product went that way."""
-    from batchgen.forward.parallel import TensorParallel
+    from batchgen.parallel.tensor_parallel import TensorParallel
     from batchgen.kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm_ref
 
     model_dir = tiny_model("llama")

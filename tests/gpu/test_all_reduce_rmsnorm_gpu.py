@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from batchgen.forward.parallel import connect
+from batchgen.parallel.tensor_parallel import connect
 from batchgen.kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm_ref
 from batchgen.kernels.rmsnorm import add_rmsnorm_triton
 

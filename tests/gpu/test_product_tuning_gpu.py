@@ -1,4 +1,4 @@
-"""On a Hopper GPU: start-up tuning of the products of 65-256 rows (engine/product_tuning.py) times
+"""On a Hopper GPU: start-up tuning of the products of 65-256 rows (executor/product_tuning.py) times
 cuBLAS against the candidate tiles for each product of a model whose shapes the tile kernel takes,
 keeps the choices, and a forward whose products go to the tiles gives cuBLAS's logits."""
 import json

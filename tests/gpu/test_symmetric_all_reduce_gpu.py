@@ -1,4 +1,4 @@
-"""On two GPUs: the engine's all-reduce through symmetric memory (forward/symmetric_all_reduce.py).
+"""On two GPUs: the engine's all-reduce through symmetric memory (parallel/symmetric_all_reduce.py).
 
 - It gives NCCL's sums bit for bit (two ranks: one rounding of a + b either way), run eagerly and
   replayed from a CUDA graph with new inputs, also from a tensor written into its buffer (summed there, in
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from batchgen.forward.parallel import connect
+from batchgen.parallel.tensor_parallel import connect
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.kernels.attention_batch import make_batch, q_bounds
-from batchgen.forward.batch import ForwardBatch
+from batchgen.layers.forward_batch import ForwardBatch
 from batchgen.layers import attention
 from batchgen.layers.attention import Attention
 

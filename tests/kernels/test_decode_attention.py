@@ -112,7 +112,7 @@ def test_the_dense_tiles_from_eight_and_twelve_programs_an_sm():
 
 @pytest.mark.parametrize("kv_heads,sms", [(8, 132), (2, 132), (8, 78), (3, 114)])
 def test_dense_tile_batch_sizes_are_where_pick_tile_changes(kv_heads, sms):
-    """Warm-up's decode steps (engine/warmup.py) are the fewest sequences at which each dense tile is
+    """Warm-up's decode steps (executor/warmup.py) are the fewest sequences at which each dense tile is
     taken: one sequence fewer takes the tile before it (llama-3.2-1b on an H200: 132 and 198)."""
     assert dense_tile_batch_sizes(8, 132) == [132, 198]
     bf16 = torch.bfloat16

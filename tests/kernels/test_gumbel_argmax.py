@@ -90,7 +90,7 @@ def test_a_step_offset_and_a_kept_copy(device, cuda_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,vocab", [(7, 3001), pytest.param(256, 128256, marks=pytest.mark.gpu)])
 def test_16_bit_logits_draw_as_their_values_in_fp32(device, dtype, rows, vocab):
-    """A step that only samples its logits has them in the model's dtype (engine/runner.py): the kernel
+    """A step that only samples its logits has them in the model's dtype (executor/model_runner.py): the kernel
     reads them as those same values in fp32, greedy rows, a step offset and a kept copy included."""
     logits, temperatures, seeds, steps = inputs(rows, vocab, device, seed=6)
     narrow = logits.to(dtype)

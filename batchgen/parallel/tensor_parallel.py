@@ -4,7 +4,7 @@ An engine's ranks talk through one process group of their own (NCCL on CUDA, cap
 graphs; gloo over loopback on CPU), made from a rendezvous store that only they know, not
 torch.distributed's default group: two engines in one process, or two jobs on one host, never meet.
 On GPUs that reach each other directly, small all-reduces (decode steps) go through symmetric
-memory instead of NCCL (forward/symmetric_all_reduce.py).
+memory instead of NCCL (parallel/symmetric_all_reduce.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from batchgen.forward.symmetric_all_reduce import max_bytes, open_symmetric, supported_here
+from batchgen.parallel.symmetric_all_reduce import max_bytes, open_symmetric, supported_here
 
 TIMEOUT = timedelta(minutes=30)  # a collective that waits longer than this fails
 ABORT_WAIT_S = 10.0  # how long abort() blocks its caller (NCCL's own abort waits up to TIMEOUT)
@@ -43,7 +43,7 @@ class TensorParallel:
 
     def reduce_buffer(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Where a product may write the [rows, cols] partial sums it then passes to all_reduce, to
-        save the symmetric path's copy (forward/symmetric_all_reduce.py); None: anywhere."""
+        save the symmetric path's copy (parallel/symmetric_all_reduce.py); None: anywhere."""
         return self.symmetric.staging(rows, cols, dtype) if self.symmetric is not None else None
 
     def defers_sum(self, partials: torch.Tensor) -> bool:
@@ -54,7 +54,7 @@ class TensorParallel:
     def all_reduce_add_rmsnorm(self, partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(sum + residual), sum + residual) of partials that defers_sum() took; the residual
-        is right on this rank's share of the rows only (forward/symmetric_all_reduce.py)."""
+        is right on this rank's share of the rows only (parallel/symmetric_all_reduce.py)."""
         return self.symmetric.all_reduce_add_rmsnorm(partials, residual, weight, eps)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
