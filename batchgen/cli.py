@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, List, Optional
 import typer
 from rich.console import Console
 
+from batchgen.config import debug
+
 if TYPE_CHECKING:  # the engine's imports (torch) wait until a command needs them
     from batchgen import SamplingParams
 
@@ -34,10 +36,33 @@ _ClickException, _UsageError = (
 )
 
 
+class _Interrupted(BaseException):
+    """SIGTERM/SIGINT where no command handler took it. Not a KeyboardInterrupt, which Typer would
+    turn into exit 130 on its way out."""
+
+
+def _interrupt(signum, frame) -> None:
+    raise _Interrupted(signal.Signals(signum).name)
+
+
 class BatchgenApp(typer.Typer):
     """Typer, with usage errors as one line on stderr (exit 2) instead of a boxed panel."""
 
     def __call__(self, args: list[str] | None = None, prog_name: str = "batchgen") -> None:
+        # From here on, before the heavy imports and the default model's conversion, SIGTERM/SIGINT
+        # unwind the command (the conversion removes its directory) and it exits 75; a command that
+        # has something to finish installs its own handlers (_Signals, the worker's).
+        previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self._main(args, prog_name)
+        except _Interrupted as e:
+            print(f"{prog_name}: {e}: interrupted; rerun the same command to go on", file=sys.stderr)
+            sys.exit(EXIT_INTERRUPTED)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _main(self, args: list[str] | None, prog_name: str) -> None:
         command = typer.main.get_command(self)
         try:
             code = command.main(args=args, prog_name=prog_name, standalone_mode=False)
@@ -468,7 +493,7 @@ def run(
               f"rerun the same command to resume", file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except Exception as e:  # a bug, or the machine ran out of something: one line, traceback on request
-        if os.environ.get("BATCHGEN_DEBUG"):
+        if debug():
             raise
         raise _fail(f"{type(e).__name__}: {e} (set BATCHGEN_DEBUG=1 for the traceback)") from None
 
@@ -672,7 +697,7 @@ def worker(
     except redis.RedisError as e:
         raise _redis_failure(e, options, "stopping") from None
     except Exception as e:
-        if os.environ.get("BATCHGEN_DEBUG"):
+        if debug():
             raise
         raise _fail(f"{type(e).__name__}: {e} (set BATCHGEN_DEBUG=1 for the traceback)") from None
     finally:
