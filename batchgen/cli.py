@@ -425,6 +425,10 @@ def run(
     resume: bool = typer.Option(True, "--resume/--no-resume", envvar=_env("RESUME"), rich_help_panel=JOB,
                                 help="Continue from the rows an interrupted run left in OUTPUT.partial/, "
                                      "or (--no-resume) discard them and start over."),
+    overwrite: bool = typer.Option(False, "--overwrite", envvar=_env("OVERWRITE"), rich_help_panel=JOB,
+                                   help="Replace an OUTPUT that is not this job's finished output (another "
+                                        "run's, with other settings, or not batchgen's); without it such an "
+                                        "OUTPUT is refused."),
     strict: bool = typer.Option(False, "--strict", envvar=_env("STRICT"), rich_help_panel=JOB,
                                 help="Exit 65 if any row failed."),
     flush_rows: int = typer.Option(1000, "--flush-rows", envvar=_env("FLUSH_ROWS"), rich_help_panel=JOB, min=1,
@@ -473,7 +477,7 @@ def run(
                         stream=sys.stderr)  # before the setup, which may convert the default model (logged)
     setup = _engine_setup(options)
     spec = JobSpec(input=input, output=output, settings=setup.settings, shard=job_shard, resume=resume,
-                   flush_rows=flush_rows, flush_seconds=flush_seconds, described=setup.described,
+                   overwrite=overwrite, flush_rows=flush_rows, flush_seconds=flush_seconds, described=setup.described,
                    served_models=_served_models(served_model_name, options["model"]), **formats)
 
     console = Console(highlight=False, soft_wrap=True, markup=False)

@@ -60,6 +60,7 @@ class LLMEngine:
             pin_memory=self.runner.device.type == "cuda",
         )
         self.in_flight: StepOutput | None = None  # the launched step not yet read back
+        self.generated_tokens = 0  # tokens sampled so far, unfinished rows' included: progress displays read it
         log.info("engine ready: %s", self.describe())
 
     def describe(self) -> dict:
@@ -181,6 +182,7 @@ class LLMEngine:
             if seq.status is Status.FINISHED:  # its last token is known already: this one is surplus
                 continue
             seq.token_ids.append(token)
+            self.generated_tokens += 1
             if seq.first_token is None:
                 seq.first_token = now
             if (seq.matcher is not None and self._check_grammar(seq, token)) or self._check_finished(seq, token):
