@@ -8,8 +8,9 @@ one or its work directory; the folder is the whole job once it holds all N shard
 
 Reruns are idempotent: a retried or cleared task resumes its shard from the rows its interrupted run
 saved (a killed worker loses at most a few seconds of work), and a task whose shard is in OUTPUT_DIR
-does nothing (to generate a shard again, with other settings say, delete it first). Exit codes: 75 (interrupted, e.g. the worker was stopped) and 1 fail the try and Airflow
-retries it; 2 and 65 (rows failed with --strict) need a person, retries will not help.
+does nothing (to generate a shard again, with other settings say, delete it first). Exit codes: 75
+(interrupted, e.g. the worker was stopped) and 1 fail the try and Airflow retries it; 2 and 65 (rows
+failed with --strict) need a person, retries will not help.
 
 Copy this file into the DAGs folder and set BATCHGEN, INPUT and OUTPUT_DIR for your hosts.
 """

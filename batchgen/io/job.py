@@ -291,7 +291,8 @@ def _not_this_job(spec: JobSpec, finished_as: dict | None, fingerprint: dict) ->
         return (f"OUTPUT {str(spec.output)!r} exists and is not a finished batchgen output ({what}); "
                 f"pass --overwrite to replace it, or give another OUTPUT")
     return (f"OUTPUT {str(spec.output)!r} is the finished output of a run with other settings "
-            f"({describe_difference(finished_as, fingerprint)}); pass --overwrite to replace it, or give another OUTPUT")
+            f"({describe_difference(finished_as, fingerprint)}); "
+            f"pass --overwrite to replace it, or give another OUTPUT")
 
 
 def _token_counter(llm) -> Callable[[], int] | None:

@@ -254,8 +254,9 @@ def write_openai_output(
                 key = hashlib.blake2b(f"{salt}\x00{line_index}".encode(), digest_size=12).hexdigest()
                 line, failed = output_line(pending.pop(line_index), served_model, created, key, token_names)
                 to_errors = failed and errors is not None
+                text = json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"
                 try:
-                    (errors if to_errors else out).write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
+                    (errors if to_errors else out).write(text)
                 except OSError as e:
                     raise write_error(error_file if to_errors else output, e) from e
         assert not pending, "a line's last part was passed without writing it"
