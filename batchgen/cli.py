@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, List, Optional
 import typer
 from rich.console import Console
 
+from batchgen.config import debug
+
 if TYPE_CHECKING:  # the engine's imports (torch) wait until a command needs them
     from batchgen import SamplingParams
 
@@ -34,10 +36,33 @@ _ClickException, _UsageError = (
 )
 
 
+class _Interrupted(BaseException):
+    """SIGTERM/SIGINT where no command handler took it. Not a KeyboardInterrupt, which Typer would
+    turn into exit 130 on its way out."""
+
+
+def _interrupt(signum, frame) -> None:
+    raise _Interrupted(signal.Signals(signum).name)
+
+
 class BatchgenApp(typer.Typer):
     """Typer, with usage errors as one line on stderr (exit 2) instead of a boxed panel."""
 
     def __call__(self, args: list[str] | None = None, prog_name: str = "batchgen") -> None:
+        # From here on, before the heavy imports and the default model's conversion, SIGTERM/SIGINT
+        # unwind the command (the conversion removes its directory) and it exits 75; a command that
+        # has something to finish installs its own handlers (_Signals, the worker's).
+        previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self._main(args, prog_name)
+        except _Interrupted as e:
+            print(f"{prog_name}: {e}: interrupted; rerun the same command to go on", file=sys.stderr)
+            sys.exit(EXIT_INTERRUPTED)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _main(self, args: list[str] | None, prog_name: str) -> None:
         command = typer.main.get_command(self)
         try:
             code = command.main(args=args, prog_name=prog_name, standalone_mode=False)
@@ -122,7 +147,7 @@ def _fail(message: str, code: int = EXIT_FAILURE) -> typer.Exit:
 def _unexpected(error: Exception) -> typer.Exit:
     """A failure no command foresaw (a bug, or the machine ran out of something): one line, as every
     other error; the traceback with BATCHGEN_DEBUG=1."""
-    if os.environ.get("BATCHGEN_DEBUG"):
+    if debug():
         raise error
     return _fail(f"{type(error).__name__}: {error} (set BATCHGEN_DEBUG=1 for the traceback)")
 
@@ -422,6 +447,10 @@ def run(
     resume: bool = typer.Option(True, "--resume/--no-resume", envvar=_env("RESUME"), rich_help_panel=JOB,
                                 help="Continue from the rows an interrupted run left in OUTPUT.partial/, "
                                      "or (--no-resume) discard them and start over."),
+    overwrite: bool = typer.Option(False, "--overwrite", envvar=_env("OVERWRITE"), rich_help_panel=JOB,
+                                   help="Replace an OUTPUT that is not this job's finished output (another "
+                                        "run's, with other settings, or not batchgen's); without it such an "
+                                        "OUTPUT is refused."),
     strict: bool = typer.Option(False, "--strict", envvar=_env("STRICT"), rich_help_panel=JOB,
                                 help="Exit 65 if any row failed."),
     flush_rows: int = typer.Option(1000, "--flush-rows", envvar=_env("FLUSH_ROWS"), rich_help_panel=JOB, min=1,
@@ -470,7 +499,7 @@ def run(
                         stream=sys.stderr)  # before the setup, which may convert the default model (logged)
     setup = _engine_setup(options)
     spec = JobSpec(input=input, output=output, settings=setup.settings, shard=job_shard, resume=resume,
-                   flush_rows=flush_rows, flush_seconds=flush_seconds, described=setup.described,
+                   overwrite=overwrite, flush_rows=flush_rows, flush_seconds=flush_seconds, described=setup.described,
                    served_models=_served_models(served_model_name, options["model"]), **formats)
 
     console = Console(highlight=False, soft_wrap=True, markup=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 = fp8_e4m3 (float8_e4m3fn)
@@ -70,3 +71,16 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# --- environment knobs outside EngineConfig: where the model cache lives, and tracebacks -----------
+
+
+def cache_dir() -> Path:
+    """$BATCHGEN_CACHE, else ~/.cache/batchgen: the converted default model and tuned products."""
+    return Path(os.environ.get("BATCHGEN_CACHE") or Path.home() / ".cache" / "batchgen")
+
+
+def debug() -> bool:
+    """$BATCHGEN_DEBUG set (not empty): the CLI prints the traceback of an unexpected error."""
+    return bool(os.environ.get("BATCHGEN_DEBUG"))

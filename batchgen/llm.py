@@ -36,6 +36,11 @@ class LLM:
         when the LLM is collected or the interpreter exits."""
         self.engine.close()
 
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens generated so far by this LLM, counted per step (a row's before it finishes)."""
+        return self.engine.generated_tokens
+
     def describe(self) -> dict:
         return {**self.engine.describe(), "generation_config": self.config.generation_config,
                 "batchgen_version": __version__}

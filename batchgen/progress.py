@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+from rich.text import Text
 
 from batchgen.sampling_params import BUILT_IN, MODEL, OPTION
 
@@ -24,23 +27,34 @@ def _duration(seconds: float | None) -> str:
 
 
 class _Counts:
-    """Rows and tokens finished in this run; shared by both displays. `advance` may be called from
-    the engine's request-pulling code, hence the lock."""
+    """Rows finished and tokens generated in this run; shared by both displays. `add` may be called
+    from the engine's request-pulling code, hence the lock.
+
+    Tokens come from the engine's running count (`live`, read as they are generated, so that long
+    rows show their speed before they finish), else from the rows as they finish."""
 
     def __init__(self) -> None:
-        self.total = self.resumed = self.rows = self.errors = self.tokens = 0
+        self.total = self.resumed = self.rows = self.errors = self.finished_tokens = 0
         self.started = time.monotonic()
+        self._live: Callable[[], int] | None = None
+        self._live_at_start = 0
         self._lock = threading.Lock()
 
-    def start(self, total: int, resumed: int) -> None:
+    def start(self, total: int, resumed: int, live: Callable[[], int] | None = None) -> None:
         self.total, self.resumed = total, resumed
+        self._live, self._live_at_start = live, live() if live is not None else 0
         self.started = time.monotonic()
 
     def add(self, row: dict) -> None:
         with self._lock:
             self.rows += 1
             self.errors += row.get("finish_reason") == "error"
-            self.tokens += row.get("completion_tokens") or 0
+            self.finished_tokens += row.get("completion_tokens") or 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens generated in this run."""
+        return self._live() - self._live_at_start if self._live is not None else self.finished_tokens
 
     @property
     def elapsed(self) -> float:
@@ -58,6 +72,17 @@ class _Counts:
         return left * self.elapsed / self.rows if self.rows else None
 
 
+class _SpeedColumn(ProgressColumn):
+    """Output tokens/s and errors, read from the counts at each refresh (not only when a row ends)."""
+
+    def __init__(self, counts: _Counts) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def render(self, task) -> Text:
+        return Text(f"rows  {self.counts.tokens_per_s:,.0f} tok/s  {self.counts.errors} errors")
+
+
 class RichBar:
     """rows done/total (resumed rows count as done), output tokens/s, errors, elapsed and ETA."""
 
@@ -67,7 +92,7 @@ class RichBar:
             TextColumn("[bold]generating"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("rows  {task.fields[tok_s]:,.0f} tok/s  {task.fields[errors]} errors"),
+            _SpeedColumn(self.counts),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
@@ -76,14 +101,14 @@ class RichBar:
         )
         self._task = None
 
-    def start(self, total: int, resumed: int) -> None:
-        self.counts.start(total, resumed)
-        self._task = self._bar.add_task("rows", total=total, completed=resumed, tok_s=0.0, errors=0)
+    def start(self, total: int, resumed: int, tokens: Callable[[], int] | None = None) -> None:
+        self.counts.start(total, resumed, tokens)
+        self._task = self._bar.add_task("rows", total=total, completed=resumed)
         self._bar.start()
 
     def advance(self, row: dict) -> None:
         self.counts.add(row)
-        self._bar.update(self._task, advance=1, tok_s=self.counts.tokens_per_s, errors=self.counts.errors)
+        self._bar.update(self._task, advance=1)
 
     def stop(self) -> None:
         self._bar.stop()
@@ -91,8 +116,8 @@ class RichBar:
 
 class LogLines:
     """A line every `interval` seconds, from a timer thread so that lines keep coming while long
-    rows are in flight: `progress: 120/640 rows (3 errors), 1,530 tok/s, elapsed 1m10s, ETA 2m10s`.
-    Tokens are counted when their row finishes."""
+    rows are in flight: `progress: 120/640 rows (3 errors), 107,100 tokens, 1,530 tok/s, elapsed 1m10s,
+    ETA 2m10s`. Tokens count as they are generated (given the engine's count)."""
 
     def __init__(self, console: Console, interval: float = 10.0) -> None:
         self.console = console
@@ -101,8 +126,8 @@ class LogLines:
         self._stopped = threading.Event()
         self._timer: threading.Thread | None = None
 
-    def start(self, total: int, resumed: int) -> None:
-        self.counts.start(total, resumed)
+    def start(self, total: int, resumed: int, tokens: Callable[[], int] | None = None) -> None:
+        self.counts.start(total, resumed, tokens)
         resumed_text = f", {resumed} done by an earlier run" if resumed else ""
         self._line(f"starting: {total} rows{resumed_text}")
         if self.interval > 0:
@@ -119,7 +144,7 @@ class LogLines:
     def report(self) -> None:
         c = self.counts
         self._line(
-            f"progress: {c.resumed + c.rows}/{c.total} rows ({c.errors} errors), "
+            f"progress: {c.resumed + c.rows}/{c.total} rows ({c.errors} errors), {c.tokens:,} tokens, "
             f"{c.tokens_per_s:,.0f} tok/s, elapsed {_duration(c.elapsed)}, ETA {_duration(c.eta)}"
         )
 
@@ -150,8 +175,10 @@ def summary_lines(meta: dict, output: str) -> list[str]:
     tok_s = meta.get("output_tokens_per_s")
     speed = f"{tok_s:,.1f} output tok/s" if tok_s is not None else "no tokens generated in this run"
     gen_s = meta.get("generation_seconds") or 0.0
+    input_rows = meta.get("input_rows")  # fewer than rows where rows have n samples (a Parquet output)
+    of_rows = f" of {input_rows} input rows" if input_rows is not None and input_rows != meta["rows"] else ""
     lines = [
-        f"done: {meta['rows']} rows ({meta['rows_ok']} ok, {meta['rows_error']} errors{resumed}) -> {output}",
+        f"done: {meta['rows']} rows{of_rows} ({meta['rows_ok']} ok, {meta['rows_error']} errors{resumed}) -> {output}",
         f"tokens: {meta['prompt_tokens']:,} prompt, {meta['output_tokens']:,} output; {speed} "
         f"({gen_s:.1f}s generating, {meta.get('wall_seconds', 0.0):.1f}s wall)",
         f"latency: e2e {seconds(meta.get('e2e_s'))}; TTFT {seconds(meta.get('ttft_s'))}",

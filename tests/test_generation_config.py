@@ -130,7 +130,9 @@ def test_a_changed_generation_config_is_a_changed_job(batchgen, tiny_model, tmp_
     assert batchgen(*args).returncode == 0
     assert "already complete" in batchgen(*args).stdout
     (model / GENERATION_CONFIG).write_text(json.dumps({"max_new_tokens": 4}))
-    again = batchgen(*args)
+    refused = batchgen(*args)  # another job's finished OUTPUT: replaced only with --overwrite
+    assert refused.returncode == 1 and "max_tokens: 3 then, 4 now" in refused.stderr, refused.stderr
+    again = batchgen(*args, "--overwrite")
     assert again.returncode == 0 and "already complete" not in again.stdout
     assert read(tmp_path / "out.parquet")[0]["a"]["completion_tokens"] == 4
 

@@ -258,12 +258,6 @@ def test_parquet_input_keeps_carried_column_types(tmp_path):
     assert sorted(llm.generated_ids) == [10, 11, 12]
 
 
-def test_parquet_column_named_like_an_output_column_is_refused(tmp_path):
-    pq.write_table(pa.table({"prompt": ["a"], "text": ["b"]}), tmp_path / "in.parquet")
-    with pytest.raises(JobError, match="text"):
-        run(tmp_path, tmp_path / "in.parquet")
-
-
 def test_jsonl_column_types_widen_across_parts(tmp_path):
     rows = [
         {"prompt": "a", "num": 1, "mixed": "x", "meta": {"k": 1}, "flag": True},

@@ -72,6 +72,7 @@ class LLMEngine:
         self.finish = FinishRules(self.tokenizer, self.structured)
         self.in_flight: StepOutput | None = None  # the launched step not yet read back
         self.stats: dict = {}  # the last generate()'s: generation_seconds, prompt_tokens, output_tokens
+        self.generated_tokens = 0  # tokens sampled so far, unfinished rows' included: progress displays read it
         log.info("engine ready: %s", self.describe())
 
     def describe(self) -> dict:
@@ -287,6 +288,7 @@ class LLMEngine:
             if seq.status is Status.FINISHED:  # its last token is known already: this one is surplus
                 continue
             seq.token_ids.append(token)
+            self.generated_tokens += 1
             if seq.first_token is None:
                 seq.first_token = now
             if self.finish.ends(seq, token):

@@ -114,6 +114,7 @@ class _Replica:
     stats: dict = dataclasses.field(default_factory=dict)
     results: int = 0
     last_result: float | None = None  # time.monotonic() of its last result in this job
+    generated_tokens: int = 0  # its engine's count as of its last result
 
 
 class ReplicaPool:
@@ -146,6 +147,11 @@ class ReplicaPool:
         # rows a replica holds: its running sequences and some waiting, to admit as others finish
         self.room = config.max_num_seqs + max(64, config.max_num_seqs // 2)
         self._affinity: OrderedDict[bytes, int] = OrderedDict()
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens the replicas sampled so far, as of each one's last result (progress displays read it)."""
+        return sum(r.generated_tokens for r in self.replicas)
 
     def describe(self) -> dict:
         first = self.described[min(self.described)]
@@ -281,7 +287,8 @@ class ReplicaPool:
                 while conn.poll():
                     kind, payload = conn.recv()
                     if kind == "row":
-                        results.append(self._given(replica, payload))
+                        result, replica.generated_tokens = payload
+                        results.append(self._given(replica, result))
                     elif kind == "done":
                         replica.stats, replica.state = payload, "idle"
                         replica.rows.clear()
@@ -330,7 +337,7 @@ class ReplicaPool:
             while replica.conn.poll():
                 kind, payload = replica.conn.recv()
                 if kind == "row":
-                    results.append(self._given(replica, payload))
+                    results.append(self._given(replica, payload[0]))
         except (EOFError, OSError):
             pass
         return results
@@ -376,7 +383,7 @@ def replica_main(index: int, config: EngineConfig, size: int, work, life) -> Non
                 continue
             _, defaults, threaded = message
             for result in engine.generate(_rows(inbox, engine), defaults, stop, threaded):
-                work.send(("row", result))
+                work.send(("row", (result, engine.generated_tokens)))
             work.send(("done", engine.stats))
     except BaseException as e:
         report_failure(life, f"data-parallel replica {index}", e)

@@ -14,14 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.io import openai_output
 from batchgen.io.openai_input import CHAT_URL, COMPLETIONS_URL, make_checker, resolve_input_format
-from batchgen.io.resume import JobError, WorkDir, output_fingerprint
-from batchgen.io.rows import RESERVED, ROW_KEY
+from batchgen.io.resume import JobError, WorkDir, describe_difference, input_identity, output_fingerprint, same_job
+from batchgen.io.rows import ROW_KEY, ROW_SAMPLES_KEY
 from batchgen.io.shard import Shard
-from batchgen.io.sinks import Layout, PartWriter, Totals, list_parts, merge_parts, prefix_cache_totals
+from batchgen.io.sinks import (Layout, OutputWriteError, PartWriter, Totals, list_parts, merge_parts,
+                               prefix_cache_totals)
 from batchgen.io.sources import InputError, open_source
 from batchgen.sampling_params import samples_of
 from batchgen.schema import SAMPLES_KEY
@@ -29,13 +31,14 @@ from batchgen.token_text import TokenText, token_text_of
 
 
 class Progress(Protocol):
-    def start(self, total: int, resumed: int) -> None: ...
+    def start(self, total: int, resumed: int, tokens: Callable[[], int] | None = None) -> None:
+        """`tokens()`: the tokens generated so far, rows unfinished included (None: count finished rows')."""
     def advance(self, row: dict) -> None: ...
     def stop(self) -> None: ...
 
 
 class NoProgress:
-    def start(self, total: int, resumed: int) -> None:
+    def start(self, total: int, resumed: int, tokens: Callable[[], int] | None = None) -> None:
         pass
 
     def advance(self, row: dict) -> None:
@@ -52,6 +55,7 @@ class JobSpec:
     settings: dict  # what shapes the output (model, dtype, sampling defaults, seed, ...): resume's fingerprint
     shard: Shard = field(default_factory=Shard)
     resume: bool = True
+    overwrite: bool = False  # replace an OUTPUT that is not this job's finished output
     flush_rows: int = 1000
     flush_seconds: float = 5.0
     described: dict = field(default_factory=dict)  # more keys for the output's metadata (not fingerprinted)
@@ -68,15 +72,14 @@ class JobSpec:
 @dataclass
 class JobResult:
     status: str  # "complete" | "already_complete" | "interrupted"
-    rows_total: int = 0  # rows of this shard
-    rows_resumed: int = 0  # of them, finished by an earlier run
-    rows_this_run: int = 0
+    rows_total: int = 0  # input rows of this shard
+    rows_resumed: int = 0  # of them, done by an earlier run (every sample saved, or an error row)
+    rows_this_run: int = 0  # of them, done by this run: rows_resumed of the next run is the sum
     totals: Totals | None = None  # over the final file; None unless complete
     metadata: dict[str, Any] = field(default_factory=dict)  # the final file's `batchgen` metadata
 
 
 def fingerprint_of(spec: JobSpec, input_format: str) -> dict:
-    stat = spec.input.stat()
     formats = {}  # only where they are not the native ones: a native job's fingerprint stays as it was
     if input_format == "openai":
         formats.update(input_format=input_format)
@@ -89,7 +92,7 @@ def fingerprint_of(spec: JobSpec, input_format: str) -> dict:
         **spec.settings,
         **formats,
         "shard": str(spec.shard),
-        "input": {"name": spec.input.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns},
+        "input": input_identity(spec.input),
     }
 
 
@@ -108,6 +111,13 @@ def run_job(
     when it stops: the CLI's signal handler sets `stop_event` in between and interrupts otherwise.
     `started` (time.monotonic()) is when the command started, for `wall_seconds`.
     """
+    try:
+        return _run_job(spec, make_llm, sampling, stop_event, progress, on_generation, started)
+    except OutputWriteError as e:  # a full disk, most likely
+        raise JobError(f"{e}; the rows finished so far are kept: rerun the same command to resume") from None
+
+
+def _run_job(spec, make_llm, sampling, stop_event, progress, on_generation, started) -> JobResult:
     started = time.monotonic() if started is None else started
     progress = progress or NoProgress()
     source = open_source(spec.input)
@@ -116,9 +126,6 @@ def run_job(
     except ValueError as e:
         raise InputError(str(e)) from None
     layout = Layout(source.schema)
-    clash = [n for n in layout.carried if n in RESERVED]
-    if clash:
-        raise JobError(f"input column {', '.join(clash)} has the name of an output column; rename it")
     output = spec.output
     if output.is_dir():
         raise JobError(f"OUTPUT {str(output)!r} is a directory; give a file name such as out.parquet")
@@ -127,13 +134,18 @@ def run_job(
     finished_fingerprint = openai_output.stored_fingerprint if spec.openai_output else output_fingerprint
     stored_metadata = openai_output.stored_metadata if spec.openai_output else _stored_metadata
     workdir = WorkDir(output)
-    if spec.resume and not workdir.path.exists() and finished_fingerprint(output) == fingerprint:
+    finished_as = finished_fingerprint(output) if output.exists() else None
+    if spec.resume and not workdir.path.exists() and same_job(finished_as, fingerprint):
         return JobResult("already_complete", metadata=stored_metadata(output))
+    # A leftover of this job was begun by a run that passed this check (or had --overwrite).
+    if (output.exists() and not spec.overwrite and not same_job(finished_as, fingerprint)
+            and not same_job(workdir.stored_fingerprint(), fingerprint)):
+        raise JobError(_not_this_job(spec, finished_as, fingerprint))
 
     workdir.open(fingerprint, spec.resume)
     finished_job = False
     try:
-        if spec.resume and finished_fingerprint(output) == fingerprint:
+        if spec.resume and same_job(finished_fingerprint(output), fingerprint):
             # A run was stopped between renaming OUTPUT into place and removing its work directory.
             finished_job = True
             return JobResult("already_complete", metadata=stored_metadata(output))
@@ -141,26 +153,32 @@ def run_job(
         rows_total = source.count_rows_where(lambda i: i in spec.shard)
         rows_resumed = done.num_rows
         llm = make_llm()
-        progress.start(rows_total, rows_resumed)
+        progress.start(rows_total, rows_resumed, _token_counter(llm))
         sink = PartWriter(workdir.path, layout, spec.flush_rows, spec.flush_seconds)
         checker = make_checker(input_format, spec.served_models)
         # a native row going to an OpenAI output: chat rows answer as chat.completion, the rest as text_completion
         native_to_openai = spec.openai_output and input_format != "openai"
 
         samples_left: dict[int, int] = {}  # rows of several samples in the engine -> samples not finished
+        samples_of_row: dict[int, int] = {}  # the same rows -> their n (saved with each sample for resume)
+        rows_done = 0  # input rows done in this run: all their samples saved, or an error row
 
         def finished(row: dict) -> None:
-            sink.add(row)
+            nonlocal rows_done
             index = row[ROW_KEY]
+            row[ROW_SAMPLES_KEY] = samples_of_row.get(index)
+            sink.add(row)
             if index in samples_left and row.get("finish_reason") != "error":
                 samples_left[index] -= 1
                 if samples_left[index]:
                     return
             samples_left.pop(index, None)
+            samples_of_row.pop(index, None)
+            rows_done += 1
             progress.advance(row)  # a row is done once all its samples are
 
         def requests():
-            for row in source:
+            for row in _read(source, spec.input):
                 request, error = checker.check(row)
                 if row.index not in spec.shard:
                     continue
@@ -176,6 +194,8 @@ def run_job(
                     request[SAMPLES_KEY] = missing
                 if len(missing) > 1:
                     samples_left[row.index] = len(missing)
+                if samples > 1:
+                    samples_of_row[row.index] = samples
                 if native_to_openai:
                     request.setdefault("url", CHAT_URL if "messages" in request else COMPLETIONS_URL)
                 yield request
@@ -188,7 +208,7 @@ def run_job(
             on_generation(False)
             progress.stop()
             sink.flush()  # whatever happened, finished rows are kept
-        rows_this_run = sink.rows_written
+        rows_this_run = rows_done
         if stop_event.is_set():
             return JobResult("interrupted", rows_total, rows_resumed, rows_this_run)
 
@@ -208,6 +228,7 @@ def run_job(
                 input=str(spec.input),
                 shard=str(spec.shard),
                 rows=totals.rows,
+                input_rows=totals.requests,
                 rows_ok=totals.rows_ok,
                 rows_error=totals.rows_error,
                 rows_resumed=rows_resumed,
@@ -245,6 +266,40 @@ def run_job(
         if finished_job or not list_parts(workdir.path):
             workdir.remove()  # done, or stopped before any row was saved: nothing to resume
         workdir.close()
+
+
+def _read(source, path: Path):
+    """The source's rows; a file that cannot be read on (a corrupt Parquet page, an I/O error) is an
+    InputError that names it."""
+    rows, read = iter(source), 0
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except (OSError, pa.ArrowException) as e:
+            after = f" after its first {read} rows" if read else ""
+            raise InputError(f"input file {str(path)!r} cannot be read{after} (is it corrupt?): "
+                             f"{type(e).__name__}: {' '.join(str(e).split())}") from None
+        read += 1
+        yield row
+
+
+def _not_this_job(spec: JobSpec, finished_as: dict | None, fingerprint: dict) -> str:
+    """Why an existing OUTPUT is not replaced without --overwrite."""
+    if finished_as is None:
+        what = "has no batchgen metadata" if not spec.openai_output else \
+            f"has no matching {openai_output.sidecar_path(spec.output).name}"
+        return (f"OUTPUT {str(spec.output)!r} exists and is not a finished batchgen output ({what}); "
+                f"pass --overwrite to replace it, or give another OUTPUT")
+    return (f"OUTPUT {str(spec.output)!r} is the finished output of a run with other settings "
+            f"({describe_difference(finished_as, fingerprint)}); "
+            f"pass --overwrite to replace it, or give another OUTPUT")
+
+
+def _token_counter(llm) -> Callable[[], int] | None:
+    """The engine's running count of generated tokens, where the LLM has one."""
+    return (lambda: llm.generated_tokens) if hasattr(llm, "generated_tokens") else None
 
 
 def _output_row(result: dict) -> dict:

@@ -37,7 +37,8 @@ import pyarrow.parquet as pq
 
 from batchgen.io.openai_input import COMPLETIONS_URL
 from batchgen.io.rows import ROW_KEY
-from batchgen.io.sinks import Totals, first_copies, fsync_dir, list_parts, write_atomically
+from batchgen.io.sinks import (Totals, first_copies, fsync_dir, list_parts, per_input_row, write_atomically,
+                               write_error, writing)
 from batchgen.token_text import TokenText
 
 SAMPLE_KEY = "sample_index"  # the n samples of one line (absent: one sample, index 0)
@@ -218,10 +219,11 @@ def write_openai_output(
     should_stop: Callable[[], bool] = lambda: False,
 ) -> Totals:
     """Streams every part into OUTPUT as OpenAI batch output lines, each (line, sample) at most once;
-    -> the totals over the rows kept. `metadata(totals)` goes to the sidecar; `salt` (the job's
+    -> the totals over the rows kept, rows counted as lines. `metadata(totals)` goes to the sidecar; `salt` (the job's
     fingerprint) makes the generated ids differ between jobs while a rerun gives the same ones."""
     parts = list_parts(workdir)
-    lines_of, keeps, totals = first_copies(parts, should_stop)  # totals.requests: lines answered
+    lines_of, keeps, totals = first_copies(parts, should_stop)
+    totals = per_input_row(totals)  # one line per input line, whatever its n: rows, rows_ok, rows_error count lines
     # the last part that holds a kept row of each line: the line is written once that part is read
     last_part = np.full(max((int(lines.max()) + 1 for lines in lines_of if len(lines)), default=0), -1)
     for number, (lines, keep) in enumerate(zip(lines_of, keeps)):
@@ -235,7 +237,11 @@ def write_openai_output(
     if error_file is not None:  # beside it: a rename does not cross file systems
         error_file.parent.mkdir(parents=True, exist_ok=True)
         error_tmp = error_file.with_name(error_file.name + ".tmp")
-    with _text_file(tmp) as out, (_text_file(error_tmp) if error_tmp is not None else nullcontext()) as errors:
+    with writing(output, tmp):
+        out = _text_file(tmp)
+    with writing(error_file, error_tmp):
+        errors = _text_file(error_tmp) if error_tmp is not None else None
+    with out, (errors if errors is not None else nullcontext()):
         pending: dict[int, list[dict]] = {}
         for number, (part, keep) in enumerate(zip(parts, keeps)):
             if should_stop():
@@ -247,19 +253,26 @@ def write_openai_output(
             for line_index in [i for i in pending if last_part[i] == number]:
                 key = hashlib.blake2b(f"{salt}\x00{line_index}".encode(), digest_size=12).hexdigest()
                 line, failed = output_line(pending.pop(line_index), served_model, created, key, token_names)
-                target = errors if failed and errors is not None else out
-                target.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
+                to_errors = failed and errors is not None
+                text = json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"
+                try:
+                    (errors if to_errors else out).write(text)
+                except OSError as e:
+                    raise write_error(error_file if to_errors else output, e) from e
         assert not pending, "a line's last part was passed without writing it"
-        for f in (out, errors):
+        for f, path in ((out, output), (errors, error_file)):
             if f is not None:
-                f.flush()
-                os.fsync(f.fileno())
+                with writing(path):
+                    f.flush()
+                    os.fsync(f.fileno())
     if error_file is not None:
-        os.replace(error_tmp, error_file)
-        fsync_dir(error_file.parent)
+        with writing(error_file, error_tmp):
+            os.replace(error_tmp, error_file)
+            fsync_dir(error_file.parent)
     stat = tmp.stat()
     sidecar = {"batchgen": meta, "output": {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}}
     write_atomically(sidecar_path(output), lambda f: f.write(json.dumps(sidecar, indent=1).encode()))
-    os.replace(tmp, output)
-    fsync_dir(output.parent)
+    with writing(output, tmp):
+        os.replace(tmp, output)
+        fsync_dir(output.parent)
     return totals

@@ -10,6 +10,7 @@ outputs of two different jobs.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -33,11 +34,54 @@ def workdir_for(output: Path) -> Path:
     return output.with_name(output.name + ".partial")
 
 
+FULL_HASH_BYTES = 64 << 20  # inputs up to this size are hashed whole (~0.1 s); larger ones by their ends
+END_BYTES = 1 << 20
+
+
+def input_identity(path: Path) -> dict:
+    """What resume knows the input by: name, size, mtime and a digest of its content (all of it, or
+    for a file over FULL_HASH_BYTES its first and last MiB), so that an input edited in place, even to
+    the same size and with its mtime put back, is not taken for the one the leftover rows came from."""
+    stat = path.stat()
+    digest = hashlib.blake2b(str(stat.st_size).encode(), digest_size=16)
+    with open(path, "rb") as f:
+        if stat.st_size <= FULL_HASH_BYTES:
+            while chunk := f.read(END_BYTES):
+                digest.update(chunk)
+        else:
+            digest.update(f.read(END_BYTES))
+            f.seek(-END_BYTES, os.SEEK_END)
+            digest.update(f.read(END_BYTES))
+    return {"name": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "blake2b": digest.hexdigest()}
+
+
+def _as_stored(stored: dict, fingerprint: dict) -> dict:
+    """`fingerprint` as a batchgen that stored `stored` would have made it: without the input digest
+    if that one had none (so that its leftover or finished output stays usable after an upgrade)."""
+    current_input, stored_input = fingerprint.get("input"), stored.get("input")
+    if isinstance(current_input, dict) and isinstance(stored_input, dict) and "blake2b" not in stored_input:
+        return {**fingerprint, "input": {k: v for k, v in current_input.items() if k != "blake2b"}}
+    return fingerprint
+
+
+def same_job(stored: dict | None, fingerprint: dict) -> bool:
+    """Whether a stored fingerprint is this job's."""
+    return isinstance(stored, dict) and stored == _as_stored(stored, fingerprint)
+
+
 def describe_difference(old: dict, new: dict) -> str:
+    """`max_tokens: 16 then, 13 now; input.size: 10 then, 12 now`."""
+    new = _as_stored(old, new)
     changes = []
     for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            changes.append(f"{key}: {json.dumps(old.get(key))} then, {json.dumps(new.get(key))} now")
+        then, now = old.get(key), new.get(key)
+        if then == now:
+            continue
+        if isinstance(then, dict) and isinstance(now, dict):
+            changes += [f"{key}.{k}: {json.dumps(then.get(k))} then, {json.dumps(now.get(k))} now"
+                        for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
+        else:
+            changes.append(f"{key}: {json.dumps(then)} then, {json.dumps(now)} now")
     return "; ".join(changes)
 
 
@@ -79,11 +123,8 @@ class WorkDir:
         if not resume:
             self._clear()
         elif job_file.exists():
-            try:
-                stored = json.loads(job_file.read_text())["fingerprint"]
-            except (ValueError, KeyError, TypeError):
-                stored = None
-            if stored != fingerprint:
+            stored = self.stored_fingerprint()
+            if not same_job(stored, fingerprint):
                 what = describe_difference(stored, fingerprint) if isinstance(stored, dict) else "unreadable job.json"
                 raise JobError(
                     f"{self.path} holds the unfinished rows of a run with other settings ({what}). "
@@ -101,6 +142,14 @@ class WorkDir:
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
+
+    def stored_fingerprint(self) -> dict | None:
+        """The fingerprint of the run that made this work directory (None: none, or unreadable)."""
+        try:
+            stored = json.loads((self.path / "job.json").read_text())["fingerprint"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return stored if isinstance(stored, dict) else None
 
     def done_rows(self) -> DoneRows:
         """What the parts hold already, per input row.
@@ -129,12 +178,15 @@ class WorkDir:
 
 class DoneRows:
     """The results an earlier run saved: per input row index, which of its samples are done. A row
-    is done when all its n samples are, or when it has an error result (one for the whole row)."""
+    is done when all its n samples are, or when it has an error result (one for the whole row).
+    `counts`: each result's row's n (1 where unknown)."""
 
-    def __init__(self, indices=None, samples=None, errors=None) -> None:
+    def __init__(self, indices=None, samples=None, errors=None, counts=None) -> None:
         if indices is None:
             indices = samples = np.zeros(0, dtype=np.int64)
             errors = np.zeros(0, dtype=bool)
+        if counts is None:
+            counts = np.ones(len(indices), dtype=np.int64)
         size = int(indices.max()) + 1 if len(indices) else 0
         self.any = np.zeros(size, dtype=bool)  # rows with some result
         self.any[indices] = True
@@ -146,11 +198,14 @@ class DoneRows:
         several[indices[samples > 0]] = True
         for index, sample in zip(indices[several[indices]].tolist(), samples[several[indices]].tolist()):
             self.samples.setdefault(index, set()).add(sample)
+        # rows of n > 1 samples with some of them still to generate
+        sampled = dict(zip(indices[counts > 1].tolist(), counts[counts > 1].tolist()))
+        self.partial = sum(1 for index, n in sampled.items() if self.missing(index, n))
 
     @property
     def num_rows(self) -> int:
-        """Rows with at least one result."""
-        return int(self.any.sum())
+        """Rows done: a rerun generates nothing more of them."""
+        return int(self.any.sum()) - self.partial
 
     def has_any(self, index: int) -> bool:
         return index < len(self.any) and bool(self.any[index])

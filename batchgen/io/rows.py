@@ -27,7 +27,10 @@ OUTPUT_FIELDS = (
 # The input row's index travels with its request through the engine (as a carried-through key) and
 # is stored in the work directory's part files; it is what resume and sharding go by.
 ROW_KEY = "__batchgen_row__"
-RESERVED = frozenset((*OUTPUT_FIELDS, ROW_KEY))
+# A part file's record of how many samples its row has (n > 1 only), so that resume knows a row that
+# is only partly done.
+ROW_SAMPLES_KEY = "__batchgen_samples__"
+RESERVED = frozenset((*OUTPUT_FIELDS, ROW_KEY, ROW_SAMPLES_KEY))
 
 
 @dataclass

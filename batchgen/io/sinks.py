@@ -17,10 +17,12 @@ and merging widens kinds across parts the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.io.rows import OUTPUT_FIELDS, ROW_KEY
+from batchgen.io.rows import OUTPUT_FIELDS, RESERVED, ROW_KEY, ROW_SAMPLES_KEY
 from batchgen.sampling_params import MAX_N
 from batchgen.schema import KNOWN_FIELDS, LOGPROB_OPTIONS
 
@@ -128,7 +130,8 @@ class Layout:
                 t = input_schema.field("id").type
                 if pa.types.is_string(t) or pa.types.is_large_string(t):
                     id_type = t
-            carried = [f for f in input_schema if f.name not in KNOWN_FIELDS]
+            # (a column named like an output column is not carried: its rows are error rows that say so)
+            carried = [f for f in input_schema if f.name not in KNOWN_FIELDS and f.name not in RESERVED]
             self.carried = [f.name for f in carried]
             optional = [pa.field(n, t) for n, t in OPTIONAL_OUTPUT_TYPES.items() if n in input_schema.names]
             self.fixed_schema = pa.schema(
@@ -141,7 +144,7 @@ class Layout:
         return self._inferred_table(rows)
 
     def _fixed_table(self, rows: list[dict]) -> pa.Table:
-        schema = self.fixed_schema.append(pa.field(ROW_KEY, pa.int64()))
+        schema = self.fixed_schema.append(pa.field(ROW_KEY, pa.int64())).append(pa.field(ROW_SAMPLES_KEY, pa.int64()))
         id_is_text = not pa.types.is_integer(schema.field("id").type)
         columns = {}
         for f in schema:
@@ -155,7 +158,7 @@ class Layout:
         names: dict[str, None] = {}  # carried-through names, in order of first appearance
         for r in rows:
             for k in r:
-                if k != "id" and k not in OUTPUT_TYPES and k != ROW_KEY and k not in KNOWN_FIELDS:
+                if k != "id" and k not in OUTPUT_TYPES and k not in RESERVED and k not in KNOWN_FIELDS:
                     names.setdefault(k)
         fields, arrays = [], []
         id_values = [r.get("id") for r in rows]
@@ -181,6 +184,8 @@ class Layout:
                 arrays.append(pa.array([r.get(name) for r in rows], type=t))
         fields.append(pa.field(ROW_KEY, pa.int64()))
         arrays.append(pa.array([r[ROW_KEY] for r in rows], type=pa.int64()))
+        fields.append(pa.field(ROW_SAMPLES_KEY, pa.int64()))
+        arrays.append(pa.array([r.get(ROW_SAMPLES_KEY) for r in rows], type=pa.int64()))
         return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
     def final_schema(self, part_schemas: list[pa.Schema]) -> pa.Schema:
@@ -191,7 +196,7 @@ class Layout:
         kinds: dict[str, str | None] = {}
         for schema in part_schemas:
             for f in schema:
-                if f.name in OUTPUT_TYPES or f.name in OPTIONAL_OUTPUT_TYPES or f.name == ROW_KEY:
+                if f.name in OUTPUT_TYPES or f.name in OPTIONAL_OUTPUT_TYPES or f.name in RESERVED:
                     continue
                 order.setdefault(f.name)
                 widen = _widen_id if f.name == "id" else _widen
@@ -247,15 +252,37 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class OutputWriteError(Exception):
+    """A file of the job's output could not be written (a full disk, no permission); the message
+    names the file."""
+
+
+@contextmanager
+def writing(path: Path, tmp: Path | None = None):
+    """Turns an OSError in the block into an OutputWriteError that names `path`, and removes `tmp`
+    (a file half written, which would hold the space a full disk needs)."""
+    try:
+        yield
+    except OSError as e:
+        raise write_error(path, e, tmp) from e
+
+
+def write_error(path: Path, error: OSError, tmp: Path | None = None) -> OutputWriteError:
+    if tmp is not None:
+        tmp.unlink(missing_ok=True)
+    return OutputWriteError(f"cannot write {path}: {error.strerror or ' '.join(str(error).split())}")
+
+
 def write_atomically(path: Path, write) -> None:
     """Calls write(file) on `path`.tmp, fsyncs it, renames it to `path` and fsyncs the directory."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    with writing(path, tmp):
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
 
 
 class PartWriter:
@@ -313,6 +340,7 @@ class Totals:
     rows_ok: int = 0
     rows_error: int = 0
     requests: int = 0  # input rows answered (a row with n samples has n output rows)
+    requests_error: int = 0  # of them, rows with an error row
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # of them, reused from the prefix cache
     output_tokens: int = 0
@@ -359,11 +387,15 @@ def _read_keys(part: Path, extra: tuple[str, ...] = ()) -> tuple[np.ndarray, np.
     return indices, samples, table
 
 
-def read_row_keys(part: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A part's (input row index, sample_index, is an error row) per output row."""
-    indices, samples, table = _read_keys(part, ("finish_reason",))
+def read_row_keys(part: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A part's (input row index, sample_index, is an error row, the row's number of samples) per
+    output row (samples: 1 where the part does not say, as in parts of older versions)."""
+    stored = ("finish_reason", ROW_SAMPLES_KEY) if ROW_SAMPLES_KEY in pq.read_schema(part).names else ("finish_reason",)
+    indices, samples, table = _read_keys(part, stored)
     errors = pc.equal(table.column("finish_reason"), "error").fill_null(False).to_numpy(zero_copy_only=False)
-    return indices, samples, errors
+    counts = (table.column(ROW_SAMPLES_KEY).fill_null(1).to_numpy() if ROW_SAMPLES_KEY in table.column_names
+              else np.ones(len(indices), dtype=np.int64))
+    return indices, samples, errors, counts
 
 
 def first_copies(parts: list[Path], should_stop=lambda: False) -> tuple[list[np.ndarray], list[np.ndarray], Totals]:
@@ -386,7 +418,8 @@ def first_copies(parts: list[Path], should_stop=lambda: False) -> tuple[list[np.
     first[np.unique(every, return_index=True)[1]] = True
     totals.requests = len(np.unique(every[first] // MAX_N))
     keeps = np.split(first, np.cumsum([len(k) for k in keys])[:-1]) if parts else []
-    for part, keep in zip(parts, keeps):
+    failed = []  # per part, the input rows of its kept error rows
+    for part, keep, indices in zip(parts, keeps, rows):
         if should_stop():
             raise KeyboardInterrupt
         table = pq.read_table(part, columns=[c for c in TOTALS_COLUMNS if c in pq.read_schema(part).names])
@@ -394,7 +427,17 @@ def first_copies(parts: list[Path], should_stop=lambda: False) -> tuple[list[np.
             if name not in table.column_names:
                 table = table.append_column(name, pa.nulls(table.num_rows, pa.int64()))
         totals.add(table if keep.all() else table.filter(pa.array(keep)))
+        errors = pc.equal(table.column("finish_reason"), "error").fill_null(False).to_numpy(zero_copy_only=False)
+        failed.append(indices[keep & errors])
+    totals.requests_error = len(np.unique(np.concatenate(failed))) if failed else 0
     return rows, keeps, totals
+
+
+def per_input_row(totals: Totals) -> Totals:
+    """`totals` with rows counted as input rows (an output that has one line per input row, whatever
+    its n): rows_error are the rows with an error, rows_ok the rest."""
+    return dataclasses.replace(totals, rows=totals.requests, rows_error=totals.requests_error,
+                               rows_ok=totals.requests - totals.requests_error)
 
 
 def merge_parts(workdir: Path, output: Path, layout: Layout, metadata, should_stop=lambda: False) -> Totals:
@@ -408,7 +451,9 @@ def merge_parts(workdir: Path, output: Path, layout: Layout, metadata, should_st
 
     final = plain_schema(schema).with_metadata({"batchgen": json.dumps(metadata(totals))})
     tmp = workdir / "final.parquet.tmp"
-    with pq.ParquetWriter(tmp, final) as writer:
+    with writing(output, tmp):
+        writer = pq.ParquetWriter(tmp, final)
+    try:
         pending: list[pa.Table] = []
         pending_rows = 0
         for part, keep in zip(parts, keep_masks):
@@ -419,13 +464,16 @@ def merge_parts(workdir: Path, output: Path, layout: Layout, metadata, should_st
                 table = table.filter(pa.array(keep))
             pending.append(conform(table, schema).cast(final))
             pending_rows += pending[-1].num_rows
-            if pending_rows >= FINAL_ROW_GROUP_ROWS:
-                writer.write_table(pa.concat_tables(pending))
+            if pending_rows >= FINAL_ROW_GROUP_ROWS or part == parts[-1]:
+                with writing(output, tmp):  # (only the writes: an error reading a part is not about OUTPUT)
+                    writer.write_table(pa.concat_tables(pending))
                 pending, pending_rows = [], 0
-        if pending:
-            writer.write_table(pa.concat_tables(pending))
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, output)
-    fsync_dir(output.parent)
+    finally:
+        with writing(output, tmp):
+            writer.close()
+    with writing(output, tmp):
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, output)
+        fsync_dir(output.parent)
     return totals

