@@ -283,12 +283,12 @@ class LLMEngine:
                 ])
         now = time.monotonic()
         finished = []
+        self.generated_tokens += len(tokens)  # (a finished sequence's surplus token counted too: progress only)
         for seq, token in zip(step.samplers, tokens):
             seq.num_pending -= 1
             if seq.status is Status.FINISHED:  # its last token is known already: this one is surplus
                 continue
             seq.token_ids.append(token)
-            self.generated_tokens += 1
             if seq.first_token is None:
                 seq.first_token = now
             if self.finish.ends(seq, token):
