@@ -337,6 +337,17 @@ class NodeBusy:
         return round(sum(values) / len(values), 1) if values else None
 
 
+def process_startup(model_dir: Path, tp: int) -> float:
+    """Seconds from a fresh Python process's start to one engine ready, imports included (as a replica,
+    or `batchgen run`, pays them)."""
+    import subprocess
+
+    code = f"from batchgen import LLM; LLM({str(model_dir)!r}, dtype='bfloat16', tensor_parallel_size={tp})"
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], capture_output=True, check=True)
+    return time.perf_counter() - start
+
+
 def run_node(model_dir: Path, requests: list[dict], temperature: float, dp: int, tp: int = 1,
              repeats: int = 1) -> dict:
     """W-node: the rows through dp replicas of tp GPUs each -> the best run's tok/s, start-up, each
@@ -454,6 +465,9 @@ def main(argv=None):
                                args.repeats or 1)
                 many = run_node(model_dir, requests, args.temperature, args.data_parallel_size,
                                 args.tensor_parallel_size, args.repeats or 1)
+                one_process = process_startup(model_dir, args.tensor_parallel_size)
+                line.update({"dp1_process_startup_s": round(one_process, 2),
+                             "startup_ratio_vs_process": round(many["startup_s"] / one_process, 3)})
                 line.update({"dp": args.data_parallel_size, "batchgen_tok_s": round(many["tok_s"], 1),
                              "runs_tok_s": many["runs_tok_s"], "dp1_tok_s": round(one["tok_s"], 1),
                              "dp1_runs_tok_s": one["runs_tok_s"], "ratio_vs_dp1": round(many["tok_s"] / one["tok_s"], 3),

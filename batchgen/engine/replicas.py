@@ -1,8 +1,9 @@
 """Data parallelism: N engine replicas, each in a child process with its own GPU (or its own tensor-
 parallel group of GPUs), fed from one reader and collected into one stream of results.
 
-Rows go to replicas as each has room (a replica holds at most `room` rows: enough to keep its engine
-full, few enough that a faster replica takes more of the job). Rows that look alike at the start (a
+Rows go to replicas as each has room (a replica holds at most as many rows as one engine looks ahead
+at), each to the replica with the least work outstanding (its rows' prompt and output tokens, as far as
+they are known before tokenizing), so that the replicas finish together and a faster one takes more. Rows that look alike at the start (a
 shared system prompt, a shared prefix) go to the replica that had that prefix before, where it has room,
 so its prefix cache still pays. A row's n samples stay together.
 
@@ -48,6 +49,7 @@ REPLICA_KEY = "__batchgen_replica_row__"  # the parent's number of a row dealt, 
 SEND_BATCH = 64  # rows a message: few messages, and a replica starts on a batch at once
 PREFIX_CHARS = 256  # the start of a prompt that decides which replica gets it
 AFFINITY_ENTRIES = 100_000  # prefixes remembered (least recently used go first)
+AFFINITY_SLACK = 0.25  # a row follows its prefix to a replica with at most this much more work than the least
 
 
 class ReplicaError(RuntimeError):
@@ -94,12 +96,27 @@ def prefix_key(row) -> bytes | None:
     return hashlib.blake2b(start.encode(errors="replace"), digest_size=8).digest()
 
 
+def estimated_tokens(row: dict, default_max_tokens: int, samples: int) -> int:
+    """A row's tokens before it is tokenized: its prompt (token ids, or ~4 characters a token) and
+    max_tokens for each sample."""
+    if isinstance(row.get("prompt_token_ids"), list):
+        prompt = len(row["prompt_token_ids"])
+    elif isinstance(row.get("prompt"), str):
+        prompt = len(row["prompt"]) // 4
+    else:
+        prompt = len(json.dumps(row.get("messages"), default=str)) // 4
+    max_tokens = row.get("max_tokens")
+    max_tokens = max_tokens if isinstance(max_tokens, int) and 0 < max_tokens < 2**31 else default_max_tokens
+    return prompt + max_tokens * max(samples, 1)
+
+
 @dataclasses.dataclass
 class _Dealt:
     """A row on a replica: the sample indices it should give and those it gave."""
 
     row: dict
     expected: set[int]
+    work: int = 0  # its tokens, estimated: prompt + max_tokens for each sample
     given: set[int] = dataclasses.field(default_factory=set)
     deaths: int = 0  # replicas that died holding it
 
@@ -110,6 +127,7 @@ class _Replica:
     conn: object
     state: str = "idle"  # idle -> running -> ending ("end" sent) -> idle ("done" back); dead
     rows: dict = dataclasses.field(default_factory=dict)  # dealt number -> _Dealt
+    work: int = 0  # the estimated tokens of its rows
     outbox: list = dataclasses.field(default_factory=list)
     stats: dict = dataclasses.field(default_factory=dict)
     results: int = 0
@@ -144,8 +162,8 @@ class ReplicaPool:
         except BaseException:
             self.close()
             raise
-        # rows a replica holds: its running sequences and some waiting, to admit as others finish
-        self.room = config.max_num_seqs + max(64, config.max_num_seqs // 2)
+        # rows a replica holds: what one engine runs and looks ahead at (engine.generate's lookahead)
+        self.room = 5 * config.max_num_seqs
         self._affinity: OrderedDict[bytes, int] = OrderedDict()
 
     @property
@@ -238,18 +256,21 @@ class ReplicaPool:
     def _dealt(self, row: dict, defaults: SamplingParams) -> _Dealt:
         wanted = row.get(SAMPLES_KEY)
         expected = set(wanted) if isinstance(wanted, list) else set(range(samples_of(row, defaults.n)))
-        return _Dealt(row, expected)
+        return _Dealt(row, expected, estimated_tokens(row, defaults.max_tokens, len(expected)))
 
     def _with_room(self) -> list[_Replica]:
         """Replicas that can take a row now: running, or idle (a job starts on them when dealt to)."""
         return [r for r in self._alive("running", "idle") if len(r.rows) < self.room]
 
     def _deal(self, number: int, dealt: _Dealt, defaults: SamplingParams, threaded: bool) -> None:
-        """Give a row to the replica that had its prefix last, where it has room, else the roomiest."""
+        """Give a row to the replica that had its prefix last, where it has room and is not the busiest by
+        far, else to the one with the least work outstanding."""
         candidates = self._with_room()
         key = prefix_key(dealt.row)
+        least = min(candidates, key=lambda r: r.work)
         preferred = self.replicas[self._affinity[key]] if key in self._affinity else None
-        chosen = preferred if preferred in candidates else max(candidates, key=lambda r: self.room - len(r.rows))
+        near = preferred in candidates and preferred.work <= least.work + AFFINITY_SLACK * (1 + least.work)
+        chosen = preferred if near else least
         if key is not None:
             self._affinity[key] = chosen.index
             self._affinity.move_to_end(key)
@@ -262,6 +283,7 @@ class ReplicaPool:
         if dealt.given or dealt.deaths:  # dealt again: only the samples not given yet
             row[SAMPLES_KEY] = sorted(dealt.expected - dealt.given)
         chosen.rows[number] = dealt
+        chosen.work += dealt.work
         chosen.outbox.append(row)
         if len(chosen.outbox) >= SEND_BATCH:
             self._flush(chosen)
@@ -292,6 +314,7 @@ class ReplicaPool:
                     elif kind == "done":
                         replica.stats, replica.state = payload, "idle"
                         replica.rows.clear()
+                        replica.work = 0
             except (EOFError, OSError):
                 pass  # (it died: the monitor reports why)
         return results
@@ -306,6 +329,7 @@ class ReplicaPool:
             # an error row answers the whole request (a refused one gives no other row)
             if result.get("finish_reason") == "error" or dealt.given >= dealt.expected:
                 del replica.rows[number]
+                replica.work -= dealt.work
         return result
 
     def _bury_the_dead(self, redo: list) -> list[dict]:
@@ -327,6 +351,7 @@ class ReplicaPool:
                 else:
                     redo.append((number, dealt))
             replica.rows.clear()
+            replica.work = 0
             replica.outbox = []
         return poisoned
 

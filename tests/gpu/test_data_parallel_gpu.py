@@ -25,7 +25,7 @@ def test_two_replicas_use_two_gpus_and_give_one_engines_tokens(tiny_model, kind)
               gpu_memory_utilization=0.3)
     try:
         taken = [free_before[i] - torch.cuda.mem_get_info(i)[0] for i in range(2)]
-        assert all(t > 2**30 for t in taken), taken  # each replica's KV pool on its own GPU
+        assert all(t > 2**28 for t in taken), taken  # a replica's context, weights, pool and graphs on each GPU
         got = {r["id"]: r["output_token_ids"] for r in two.generate_list(rows, greedy)}
         assert got == want
         assert all(r["rows"] > 0 for r in two.stats["replicas"])
