@@ -24,6 +24,7 @@ import typer
 from rich.console import Console
 
 from batchgen.config import debug
+from batchgen.extras import EXTRA_OF, MissingExtra
 
 if TYPE_CHECKING:  # the engine's imports (torch) wait until a command needs them
     from batchgen import SamplingParams
@@ -76,6 +77,11 @@ class BatchgenApp(typer.Typer):
         except _ClickException as e:
             print(f"{prog_name}: error: {e.format_message()}", file=sys.stderr)
             code = e.exit_code
+        except ModuleNotFoundError as e:  # an optional extra (redis, xgrammar, ...) is not installed
+            if e.name not in EXTRA_OF:
+                raise
+            print(f"{prog_name}: error: {MissingExtra(e.name)}", file=sys.stderr)
+            code = EXIT_FAILURE
         except typer.Abort:
             code = EXIT_INTERRUPTED
         sys.exit(code if isinstance(code, int) else EXIT_OK)

@@ -4,7 +4,9 @@ longest requested output, only requested tokens counted). Random weights at real
 with transformers and saved as bf16 safetensors. Prints one JSON line per measurement.
 
     python benchmarks/throughput.py --model llama-3.2-1b --workload W-offline W-short --hf-requests 64 \
-        --json-out results.jsonl --plot throughput.png
+        --json-out benchmarks/results/h200-$(date +%F).jsonl --plot docs/throughput-h200.png
+
+(benchmarks/results/ holds one file of JSON lines per device and date; README names the files its tables use.)
 
 W-prefix runs with the prefix cache on and off (ratio_vs_cache_off); W-n runs its n = 8 samples a
 prompt against the same job as separate rows, with the cache off and on (ratio_vs_separate_rows,
@@ -449,7 +451,7 @@ def main(argv=None):
                     help="also run each workload with the prefix cache off (always done for W-prefix)")
     ap.add_argument("--compare-kv-fp8", action="store_true",
                     help="also run each workload with an fp8 KV cache (--kv-cache-dtype fp8)")
-    ap.add_argument("--json-out", help="append the JSON lines to this file")
+    ap.add_argument("--json-out", help="append the JSON lines to this file (benchmarks/results/DEVICE-DATE.jsonl)")
     ap.add_argument("--plot", help="write a PNG bar chart of this run's lines")
     args = ap.parse_args(argv)
     lines = []

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from batchgen.engine.request import Sequence, Status
+from batchgen.extras import extra_hint
 from batchgen.schema import StructuredSpec
 
 # xgrammar's errors start with a timestamp and its C++ source location: "[11:09:04] /x/y.cc:83: "
@@ -112,7 +113,7 @@ class StructuredDecoding:
         try:
             import xgrammar as xgr
         except ImportError:
-            raise GrammarError(f"{field_name(spec)}: constrained decoding needs xgrammar (pip install xgrammar)") from None
+            raise GrammarError(f"{field_name(spec)}: {extra_hint('structured')}") from None
         if self._compiler is None:
             self.mask_vocab = grammar_vocab_size(self.tokenizer, self.vocab_size, self.stop_ids)
             info = xgr.TokenizerInfo.from_huggingface(  # (no EOS known: xgrammar looks for one)
