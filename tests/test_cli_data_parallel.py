@@ -44,21 +44,6 @@ def test_two_replicas_write_one_output_with_one_engines_rows(job, tmp_path):
     assert "replica 0: " in done.stdout and "replica 1: " in done.stdout
 
 
-def test_sigterm_exits_75_and_the_rerun_completes_exactly_once(job, tmp_path):
-    src, whole = job
-    out = tmp_path / "out.parquet"
-    process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS, *DP), env=environment(), cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_parts(process, tmp_path / "out.parquet.partial")
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 75, stderr
-    done = batchgen("run", src, out, *JOB_OPTIONS, *DP)
-    assert done.returncode == 0, done.stderr
-    rows, meta = read(out)
-    assert meta["rows_resumed"] > 0 and texts(rows) == texts(whole) and len(rows) == len(whole)
-
-
 def _children_of(pid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
@@ -79,7 +64,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_killed_parent_leaves_no_replica_and_the_rerun_completes(job, tmp_path):
+def test_killed_parent_then_sigterm_then_a_rerun_give_every_row_once(job, tmp_path):
+    """SIGKILL of the parent takes its replicas along; a rerun stopped by SIGTERM exits 75; the next
+    rerun completes the job with every row exactly once and one engine's texts."""
     src, whole = job
     out = tmp_path / "out.parquet"
     process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS, *DP), env=environment(), cwd=REPO,
@@ -93,10 +80,20 @@ def test_killed_parent_leaves_no_replica_and_the_rerun_completes(job, tmp_path):
     while any(_alive(p) for p in replicas) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in replicas), "a replica outlived its killed parent"
+    saved = len(list((tmp_path / "out.parquet.partial").glob("part-*.parquet")))
+    process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS, *DP), env=environment(), cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len(list((tmp_path / "out.parquet.partial").glob("part-*.parquet"))) <= saved:
+        assert process.poll() is None and time.monotonic() < deadline, "the rerun saved no row"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 75, stderr
     done = batchgen("run", src, out, *JOB_OPTIONS, *DP)
     assert done.returncode == 0, done.stderr
-    rows, _ = read(out)
-    assert texts(rows) == texts(whole) and len(rows) == len(whole)
+    rows, meta = read(out)
+    assert meta["rows_resumed"] > 0 and texts(rows) == texts(whole) and len(rows) == len(whole)
 
 
 def test_a_killed_replica_loses_no_row(job, tmp_path):
