@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from batchgen.config import EngineConfig
 from batchgen.io.rows import RESERVED, ROW_KEY, RowError, check_id, checked_request, error_row
 from batchgen.io.sinks import OPTIONAL_OUTPUT_TYPES, OUTPUT_TYPES
 from batchgen.llm import LLM
@@ -53,24 +54,39 @@ class Generate:
     built-in, as with `run`. ValueError for a bad option."""
 
     def __init__(self, model: str | None = None, sampling: dict | None = None, **engine_options):
-        given = dict(sampling or {})
+        given, engine_options = self.check_options(model, sampling, **engine_options)
+        self.llm = LLM(model=model, **engine_options)
+        # run's resolution: an option given, else the model's generation_config.json, else built-in
+        self.sampling = self.llm.get_default_sampling_params().replace(**given)
+        self._engine = _EngineThread(self.llm, self.sampling)
+        self._ids = _IdMaker()
+
+    @staticmethod
+    def check_options(model: str | None = None, sampling: dict | None = None,
+                      **engine_options) -> tuple[dict, dict]:
+        """The options' names and the engine options' values, checked without loading the model
+        (ValueError names the bad one) -> (sampling options given, engine options with the job seed
+        and generation_config that `sampling` may hold)."""
+        given = {name: value for name, value in (sampling or {}).items() if value is not None}
         unknown = sorted(set(given) - set(SAMPLING_OPTIONS) - set(SAMPLING_ENGINE_OPTIONS))
         if unknown:
             known = ", ".join(sorted((*SAMPLING_OPTIONS, *SAMPLING_ENGINE_OPTIONS)))
             raise ValueError(f"unknown sampling option {', '.join(unknown)}; known: {known}")
+        engine_options = dict(engine_options)
         for name in SAMPLING_ENGINE_OPTIONS:
-            if given.get(name) is not None:
-                if engine_options.get(name, given[name]) != given[name]:
-                    raise ValueError(f"{name} given twice, as {given[name]!r} in sampling and "
-                                     f"{engine_options[name]!r} as an engine option: give it once")
-                engine_options[name] = given[name]
-            given.pop(name, None)
-        self.llm = LLM(model=model, **engine_options)
-        # run's resolution: an option given, else the model's generation_config.json, else built-in
-        self.sampling = self.llm.get_default_sampling_params().replace(
-            **{name: value for name, value in given.items() if value is not None})
-        self._engine = _EngineThread(self.llm, self.sampling)
-        self._ids = _IdMaker()
+            if name not in given:
+                continue
+            value = given.pop(name)
+            if engine_options.get(name, value) != value:
+                raise ValueError(f"{name} given twice, {value!r} in sampling and {engine_options[name]!r} "
+                                 f"as an engine option: give it once")
+            engine_options[name] = value
+        config_options = {k: v for k, v in engine_options.items() if k != "tokenizer_pool"}  # (LLM's own)
+        try:
+            EngineConfig(model=model, **config_options)
+        except TypeError as e:  # an unknown engine option
+            raise ValueError(f"{e}; the engine options are EngineConfig's fields") from None
+        return given, engine_options
 
     async def __call__(self, batch: pa.Table | pd.DataFrame | dict) -> pa.Table | pd.DataFrame | dict:
         frame = _Frame.of(batch)
@@ -361,20 +377,35 @@ class _NumpyFrame(_Frame):
 
     def with_results(self, positions, rows) -> dict:
         index = np.asarray(positions, dtype=np.int64)
-        out = {"id": None, **{c: np.asarray(self.batch[c])[index] for c in self.kept_columns()}}
+        out = {"id": None, **{c: _kept_column(np.asarray(self.batch[c])[index]) for c in self.kept_columns()}}
         for name, column in self.result_columns(rows).items():
             out[name] = _numpy_column(column)
         return out
+
+
+def _kept_column(column: np.ndarray) -> np.ndarray:
+    """An input column going out again. Ray gives a list column as an object array of numpy arrays,
+    and turns such an array back into its tensor type, whose batches do not concatenate where one
+    holds only nulls: its lists go back as Python lists (an Arrow list column again)."""
+    if column.dtype != object or not any(isinstance(v, np.ndarray) for v in column):
+        return column
+    return _object_array([plain(v) if isinstance(v, np.ndarray) else v for v in column])
 
 
 def _numpy_column(column: pa.Array) -> np.ndarray:
     """A numpy column Ray turns back into the Arrow type it came from: scalars as numpy dtypes; lists
     as Python lists in an object array (numpy arrays there would become Ray's tensor type)."""
     if pa.types.is_list(column.type) or pa.types.is_string(column.type):
-        values = np.empty(len(column), dtype=object)
-        values[:] = column.to_pylist()
-        return values
+        return _object_array(column.to_pylist())
     return column.to_numpy(zero_copy_only=False)
+
+
+def _object_array(values: list) -> np.ndarray:
+    """A 1-d object array of `values` (np.array would make lists of one length a 2-d array)."""
+    array = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        array[i] = value
+    return array
 
 
 def plain(value: Any) -> Any:
