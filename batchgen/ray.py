@@ -387,6 +387,8 @@ def _kept_column(column: np.ndarray) -> np.ndarray:
     """An input column going out again. Ray gives a list column as an object array of numpy arrays,
     and turns such an array back into its tensor type, whose batches do not concatenate where one
     holds only nulls: its lists go back as Python lists (an Arrow list column again)."""
+    if column.ndim > 1:  # (a batch made by hand: lists of one length as a 2-d array)
+        return _object_array(column.tolist())
     if column.dtype != object or not any(isinstance(v, np.ndarray) for v in column):
         return column
     return _object_array([plain(v) if isinstance(v, np.ndarray) else v for v in column])

@@ -150,6 +150,15 @@ def test_every_batch_format_gives_runs_results_in_its_own_format(dataset, expect
     assert ids[4] not in {r["id"] for r in ROWS}  # the row without an id got one
 
 
+def test_numpy_batches_give_list_columns_back_as_lists(local_ray, stage):
+    # Ray hands a list column over as numpy arrays, and would make its tensor type of them again: a
+    # batch of one-length lists would not concatenate with a batch of nulls
+    ds = ray.data.from_arrow(pa.table({"prompt_token_ids": [[504, 3575, 282], [4649, 314, 504]]}))
+    out = BlockAccessor.batch_to_block(asyncio.run(stage(ds.take_batch(2))))
+    assert out.schema.field("prompt_token_ids").type == pa.list_(pa.int64())
+    assert out.column("prompt_token_ids").to_pylist() == [[504, 3575, 282], [4649, 314, 504]]
+
+
 def test_a_batch_that_has_no_ids_gets_ids_of_this_actor(stage):
     out = asyncio.run(stage(pa.table({"prompt": ["Hello", "Hi"]})))
     first, second = out.column("id").to_pylist()
