@@ -13,7 +13,7 @@ Pipelining. `__call__` is a coroutine, so Ray Data runs it on the actor's event 
 batches be in it at once (up to 4 of one task's batches, and `max_concurrency` tasks). The engine runs
 on one thread for the actor's life, pulling requests from a queue (`_EngineThread`): a batch puts its
 rows there and awaits its results, so the rows of the next batch join the engine's running batch while
-the current batch's last rows finish, and the device never drains between Ray batches.
+the current batch's last rows finish, and the device need not drain between Ray batches.
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ class Generate:
         return frame.with_results(positions, rows)
 
     def _check(self, key: int, data: dict, frame: "_Frame") -> tuple[dict | None, dict | None]:
-        """run's row checks, but for ids unique across the whole input (a Ray stage sees one batch)."""
+        """run's row checks, all but the uniqueness of ids (a stage sees one batch of the dataset)."""
         row_id = self._ids.new_id(key, frame.id_is_text)
         if data.get("id") is not None:
             try:

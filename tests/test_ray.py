@@ -113,9 +113,11 @@ def dataset(local_ray, data):
 @pytest.fixture(scope="module")
 def stage():
     """One Generate in this process, as an actor holds it; `stage.pulled` records the ids of the
-    requests its engine takes and of the results it gives, in order."""
+    requests its engine takes and of the results it gives, in order; `stage.break_device` set makes
+    the engine raise (as for a device error) at the next request it takes."""
     generate = Generate(sampling=SAMPLING, **ENGINE)
     generate.pulled = []
+    generate.break_device = False
     real = generate.llm.generate
 
     def recording(requests, *args, **kwargs):
@@ -123,6 +125,9 @@ def stage():
             for request in requests:
                 if request is not None:
                     generate.pulled.append(("in", request["id"]))
+                    if generate.break_device:
+                        generate.break_device = False
+                        raise RuntimeError("CUDA error: an illegal memory access was encountered")
                 yield request
         for result in real(taken(), *args, **kwargs):
             generate.pulled.append(("out", result["id"]))
@@ -181,6 +186,14 @@ def test_the_next_batch_joins_the_engine_while_the_current_one_finishes(stage, e
     assert taken and finished and min(taken) < max(finished), stage.pulled
     want = {key: value for key, value in expected.items() if key[0] in {r["tag"] for r in ROWS[:4]}}
     assert by_tag(out_first.to_pylist()) == want == by_tag(out_second.to_pylist())
+
+
+def test_an_engine_failure_fails_its_batches_and_the_next_batch_runs(stage, expected):
+    stage.break_device = True
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        asyncio.run(stage(table(ROWS[:2])))
+    out = asyncio.run(stage(table(ROWS[:2])))
+    assert by_tag(out.to_pylist()) == {key: value for key, value in expected.items() if key[0] in ("prompt", "chat")}
 
 
 def test_ray_job_script_on_two_actors_gives_runs_results(local_ray, data, expected):
