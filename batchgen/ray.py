@@ -57,7 +57,7 @@ class Generate:
         given, engine_options = self.check_options(model, sampling, **engine_options)
         self.llm = LLM(model=model, **engine_options)
         # run's resolution: an option given, else the model's generation_config.json, else built-in
-        self.sampling = self.llm.get_default_sampling_params().replace(**given)
+        self.sampling = self.llm.get_default_sampling_params(**given)
         self._engine = _EngineThread(self.llm, self.sampling)
         self._ids = _IdMaker()
 

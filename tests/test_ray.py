@@ -22,6 +22,7 @@ from ray.data.block import BlockAccessor  # noqa: E402
 
 from batchgen.cli import app  # noqa: E402
 from batchgen.ray import Generate  # noqa: E402
+from tests.test_generation_config import model_with  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -217,3 +218,15 @@ def test_ray_job_script_refuses_a_bad_option_with_a_usage_error(tmp_path, capsys
     assert ray_job.main([str(tmp_path), str(tmp_path / "out"), "--dtype", "float8"]) == 2
     assert "invalid --dtype: 'float8'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_sampling_options_are_resolved_as_runs_are(tiny_model, tmp_path):
+    # a given option takes the place of the model's value before it is checked, as in `run`
+    model = model_with(tiny_model, tmp_path / "model", top_p=0, max_new_tokens=3)
+    generate = Generate(model=str(model), sampling={"top_p": 0.5, "temperature": 0})
+    try:
+        assert (generate.sampling.top_p, generate.sampling.max_tokens, generate.sampling.temperature) == (0.5, 3, 0.0)
+    finally:
+        generate.close()
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 0.0 \(from the model's generation_config"):
+        Generate(model=str(model))
