@@ -29,7 +29,7 @@ class LLM:
         replicated = data_parallel_size(self.config) > 1
         self.engine = ReplicaPool(self.config) if replicated else LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
-        self._default_sampling: SamplingParams | None = None
+        self._model_sampling: dict | None = None  # the sampling defaults of the model's generation_config.json
 
     def close(self) -> None:
         """Release the engine's worker processes (tensor parallelism, data-parallel replicas); also done
@@ -45,16 +45,17 @@ class LLM:
         return {**self.engine.describe(), "generation_config": self.config.generation_config,
                 "batchgen_version": __version__}
 
-    def get_default_sampling_params(self) -> SamplingParams:
+    def get_default_sampling_params(self, **options) -> SamplingParams:
         """What `generate` uses when given no SamplingParams: batchgen's built-ins, overridden by the
         model's generation_config.json (temperature, top_p, top_k, max_new_tokens) unless the LLM was
-        made with generation_config="none". A copy: change it with `.replace(max_tokens=64)`.
-        ValueError if the model's file holds a value out of range."""
-        if self._default_sampling is None:
+        made with generation_config="none", overridden by `options` (SamplingParams' fields; None: not
+        given), as `batchgen run` resolves its options. A copy: change it with `.replace(max_tokens=64)`.
+        ValueError if a value is out of range (naming the model's file if it came from there)."""
+        if self._model_sampling is None:
             auto = self.config.generation_config == "auto"
-            model_defaults = read_sampling_defaults(self.engine.model_dir) if auto else {}
-            self._default_sampling, _ = resolve_defaults({}, model_defaults)
-        return self._default_sampling.replace()
+            self._model_sampling = read_sampling_defaults(self.engine.model_dir) if auto else {}
+        params, _ = resolve_defaults(options, self._model_sampling)
+        return params
 
     @property
     def stats(self) -> dict:
