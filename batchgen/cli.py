@@ -830,7 +830,7 @@ def models() -> None:
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
 def bench(ctx: typer.Context) -> None:
-    """Throughput benchmark on a GPU: BENCHMARKS.md's workloads, batchgen against HF generate() in the
+    """Throughput benchmark on a GPU: benchmarks/throughput.py's workloads, batchgen against HF generate() in the
     same run (benchmarks/throughput.py; every argument passes through, `batchgen bench --help` lists them)."""
     import runpy
 

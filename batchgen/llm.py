@@ -68,7 +68,7 @@ class LLM:
         sampling: SamplingParams | None = None,
         stop_event: threading.Event | None = None,
     ) -> Iterator[dict]:
-        """Yield one result row per request, as each finishes. Requests (DESIGN.md's input rows) are
+        """Yield one result row per request, as each finishes. Requests (README's input rows) are
         pulled lazily, only while the engine has room, so any number of them streams through in
         bounded memory. A live source (a queue) may yield None for "nothing right now": the engine
         keeps running what it has and asks again after the next step. A bad request yields an error

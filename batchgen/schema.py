@@ -1,4 +1,4 @@
-"""DESIGN.md's row contracts, shared by the engine, the file job and the queue: the fields of an
+"""The row contracts (README's Input and Output), shared by the engine, the file job and the queue: the fields of an
 input row and the checks of their types (one place for both the Python API and the files), and the
 output row of a request that failed."""
 from __future__ import annotations

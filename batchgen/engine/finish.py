@@ -83,7 +83,7 @@ class FinishRules:
 
 
 def result_row(seq: Sequence) -> dict:
-    """DESIGN.md's output row of a finished sequence."""
+    """The output row (README's Output) of a finished sequence."""
     if seq.error is not None:  # failed in the engine (its grammar): an error row like a refused one
         return error_result(seq.id, seq.error, seq.extras)
     out_ids = seq.output_ids
