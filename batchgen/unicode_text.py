@@ -35,21 +35,32 @@ def check_text(name: str, text: str) -> None:
 def check_nested_text(name: str, value: Any) -> None:
     """check_text on every string in `value` (nested lists and objects, their keys too), naming the
     first bad one by its path from `name`: messages[0].content, meta.tags[2]. Iterative: a value
-    nested deeply does not exhaust the stack."""
+    nested deeply does not exhaust the stack; a list of numbers costs a type check an item."""
     todo = [(name, value)]
     while todo:
         path, value = todo.pop()
         if isinstance(value, str):
             check_text(path, value)
         elif isinstance(value, dict):
-            items = list(value.items())
-            for key, _ in items:
-                if isinstance(key, str) and lone_surrogate(key) is not None:
+            for key, item in value.items():
+                if isinstance(key, str) and not key.isascii() and lone_surrogate(key) is not None:
                     raise TextError(f"a key of {path or 'the row'} is not valid Unicode: "
                                     f"lone surrogate at character {lone_surrogate(key)}")
-            todo.extend((f"{path}.{key}" if path else str(key), v) for key, v in reversed(items))
+                if isinstance(item, str):
+                    if not item.isascii():
+                        check_text(f"{path}.{key}" if path else str(key), item)
+                elif isinstance(item, _CONTAINERS):
+                    todo.append((f"{path}.{key}" if path else str(key), item))
         elif isinstance(value, (list, tuple)):
-            todo.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+            for i, item in enumerate(value):
+                if isinstance(item, str):
+                    if not item.isascii():
+                        check_text(f"{path}[{i}]", item)
+                elif isinstance(item, _CONTAINERS):
+                    todo.append((f"{path}[{i}]", item))
+
+
+_CONTAINERS = (dict, list, tuple)
 
 
 def holds_lone_surrogate(value: Any) -> bool:
