@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ OUTPUT_FIELDS = (
 # is stored in the work directory's part files; it is what resume and sharding go by.
 ROW_KEY = "__batchgen_row__"
 RESERVED = frozenset((*OUTPUT_FIELDS, ROW_KEY))
+FALLBACK_ID = re.compile(r"#(line|row):[0-9]+")  # the form of InputRow.fallback_id, which no real id may take
 
 
 @dataclass
@@ -86,6 +88,9 @@ def check_id(value: Any) -> str | int:
             if not value:
                 raise RowError("id is an empty string")
             check_text("id", value)
+            if value.startswith("#") and FALLBACK_ID.fullmatch(value):
+                raise RowError(f"id {value!r} has the form of the ids batchgen gives rows without a usable id "
+                               f"(#line:N, #row:N); choose another")
             return value
         if isinstance(value, bool):
             raise RowError("id must be a string or an integer, got bool")
@@ -103,7 +108,10 @@ def check_columns_text(extras: dict) -> None:
         at = lone_surrogate(name) if isinstance(name, str) else None
         if at is not None:
             raise RowError(f"a column name is not valid Unicode: lone surrogate at character {at}")
-        check_text(f"column {name}", value)
+        try:
+            check_text(f"column {name}", value)
+        except FieldError as e:
+            raise RowError(str(e)) from None
 
 
 class RowChecker:
