@@ -41,7 +41,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "seed": (0, INT64_MAX),
     "n": (1, MAX_N),
     "top_logprobs": (0, MAX_TOP_LOGPROBS),
-    "token_id": (0, INT32_MAX),  # each of prompt_token_ids, stop_token_ids (the engine checks its vocabulary)
+    "token_id": (0, INT32_MAX),  # each stop_token_id (then the engine's vocabulary, as for prompt_token_ids)
     "id": (INT64_MIN, INT64_MAX),  # an integer id: an int64 column
 }
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")  # vLLM's structured_outputs keys

@@ -20,7 +20,7 @@ import pytest
 
 from batchgen import LLM, SamplingParams
 from batchgen.io.openai_input import CHAT_URL
-from batchgen.queue import Keys, Worker, WorkerConfig, collect_job, submit_job
+from batchgen.queue import Worker, WorkerConfig, collect_job, submit_job
 from batchgen.queue.metrics import WorkerMetrics
 from batchgen.schema import FieldError, check_structured
 from tests.openai_types import line, read_lines
@@ -77,7 +77,8 @@ ENGINE_ROWS = [
 # back as they are; the engine never encodes them).
 FILE_ROWS = [
     ({"id": "\udc00", "prompt": "hi"}, "id is not valid Unicode: lone surrogate at character 0"),
-    ({"id": "f2", "prompt": "hi", "note": "a\ud800b"}, "column note is not valid Unicode: lone surrogate at character 1"),
+    ({"id": "f2", "prompt": "hi", "note": "a\ud800b"},
+     "column note is not valid Unicode: lone surrogate at character 1"),
     ({"id": 10**20, "prompt": "hi"}, "id must be <= 9223372036854775807"),
     ({"id": "#line:3", "prompt": "hi"}, "has the form of the ids batchgen gives rows without a usable id"),
     ({"id": "ok", "prompt": "again"}, "id 'ok' already seen in this input"),

@@ -18,7 +18,7 @@ FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "n", "top_logprobs")
 
 
 def row_error(data: dict) -> str | None:
-    request, error = RowChecker().check(InputRow(0, data))
+    _, error = RowChecker().check(InputRow(0, data))
     return None if error is None else error["error"]
 
 

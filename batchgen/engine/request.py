@@ -162,7 +162,7 @@ def _one_line(error: Exception) -> str:
 
 
 # tokenizer -> the most characters one of its tokens stands for (each tokenizer's vocabulary read once)
-_LONGEST_TOKEN: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_LONGEST_TOKEN: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def longest_token_chars(tokenizer) -> int:
