@@ -25,6 +25,7 @@ from rich.console import Console
 
 from batchgen.config import debug
 from batchgen.extras import EXTRA_OF, MissingExtra
+from batchgen.schema import INT32_MAX, FieldError, check_range
 
 if TYPE_CHECKING:  # the engine's imports (torch) wait until a command needs them
     from batchgen import SamplingParams
@@ -196,6 +197,20 @@ def _option(name: str, annotation, default, *decls: str, panel: str, **kwargs) -
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
 
 
+def _in_range(field: str):
+    """A Typer callback: the option's value within schema.INT_RANGES[field], the range a row's field of
+    that name has; otherwise a one-line usage error."""
+    def check(value):
+        if value is not None:
+            try:
+                check_range(field, value)
+            except FieldError as e:
+                raise typer.BadParameter(str(e)) from None
+        return value
+
+    return check
+
+
 ENGINE_OPTIONS = (
     _option("model", Optional[str], None, panel=ENGINE,
             help="Local HF model directory (or hub id where a hub is reachable). "
@@ -204,18 +219,18 @@ ENGINE_OPTIONS = (
             help="Weights and activations dtype; auto: the checkpoint's half dtype on CUDA; on CPU bfloat16 "
                  "where the CPU has native bf16, else float32."),
     _option("device", Device, Device.auto, panel=ENGINE, help="auto: CUDA if available, else CPU."),
-    _option("tensor_parallel_size", int, 1, "-tp", "--tensor-parallel-size", panel=ENGINE,
+    _option("tensor_parallel_size", int, 1, "-tp", "--tensor-parallel-size", panel=ENGINE, max=INT32_MAX,
             help="GPUs to split the model over."),
     _option("data_parallel_size", str, "1", "-dp", "--data-parallel-size", panel=ENGINE, metavar="N|auto",
             help="Engine replicas, each on its own GPU (or its own --tensor-parallel-size GPUs), fed from one "
                  "input into one output; auto: every visible GPU. On a CPU the replicas share the cores."),
-    _option("max_num_seqs", int, 256, panel=ENGINE, help="Most sequences in one batch."),
-    _option("max_num_batched_tokens", Optional[int], None, panel=ENGINE,
+    _option("max_num_seqs", int, 256, panel=ENGINE, max=INT32_MAX, help="Most sequences in one batch."),
+    _option("max_num_batched_tokens", Optional[int], None, panel=ENGINE, max=INT32_MAX,
             help="Token budget of one step (prefill chunks + decodes). Default: chosen by the engine."),
     _option("gpu_memory_utilization", float, 0.9, panel=ENGINE, help="Share of GPU memory the engine may use."),
-    _option("max_model_len", Optional[int], None, panel=ENGINE,
+    _option("max_model_len", Optional[int], None, panel=ENGINE, max=INT32_MAX,
             help="Longest prompt + output, in tokens. Default: the model's."),
-    _option("kv_cache_tokens", Optional[int], None, panel=ENGINE,
+    _option("kv_cache_tokens", Optional[int], None, panel=ENGINE, max=INT32_MAX,
             help="KV cache size in tokens. Default: from the memory budget."),
     _option("kv_cache_dtype", KvCacheDtype, KvCacheDtype.auto, panel=ENGINE,
             help="KV cache dtype; auto: the model's. fp8 (= fp8_e4m3): half the bytes of bf16, so twice the "
@@ -227,19 +242,20 @@ ENGINE_OPTIONS = (
 )
 # A sampling default not given (None) comes from the model's generation_config.json, else batchgen's built-in.
 SAMPLING_OPTIONS = (
-    _option("max_tokens", Optional[int], None, panel=SAMPLING,
+    _option("max_tokens", Optional[int], None, panel=SAMPLING, callback=_in_range("max_tokens"),
             help="Most tokens to generate for a row. Default: the model's max_new_tokens, else 256."),
-    _option("min_tokens", Optional[int], None, panel=SAMPLING,
+    _option("min_tokens", Optional[int], None, panel=SAMPLING, callback=_in_range("min_tokens"),
             help="Fewest tokens to generate before EOS or a stop may end a row. Default: 0."),
     _option("temperature", Optional[float], None, panel=SAMPLING,
             help="0 = greedy. Default: the model's, else 1.0."),
     _option("top_p", Optional[float], None, panel=SAMPLING, help="Default: the model's, else 1.0."),
-    _option("top_k", Optional[int], None, panel=SAMPLING, help="-1 or 0 = off. Default: the model's, else off."),
+    _option("top_k", Optional[int], None, panel=SAMPLING, callback=_in_range("top_k"),
+            help="-1 or 0 = off. Default: the model's, else off."),
     _option("stop", Optional[List[str]], None, panel=SAMPLING, help="A stop string (repeat for several)."),
     _option("ignore_eos", bool, False, panel=SAMPLING, help="Generate past EOS, up to --max-tokens."),
-    _option("n", int, 1, panel=SAMPLING,
+    _option("n", int, 1, panel=SAMPLING, callback=_in_range("n"),
             help="Samples of each prompt: n output rows (sample_index 0..n-1), the prompt computed once."),
-    _option("seed", int, 0, panel=SAMPLING,
+    _option("seed", int, 0, panel=SAMPLING, callback=_in_range("seed"),
             help="Job seed: a row without its own seed gets one derived from (seed, id)."),
     _option("generation_config", GenerationConfig, GenerationConfig.auto, panel=SAMPLING,
             help="auto: sampling defaults not given as options come from the model's generation_config.json "

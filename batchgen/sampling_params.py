@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.models.generation_config import FIELDS
-from batchgen.schema import STRUCTURED_FIELDS, FieldError, StructuredSpec, as_int, check_structured
-
-
-MAX_N = 1024  # samples of one prompt: each is a sequence of its own, built when the row is read
+from batchgen.schema import (
+    MAX_N, STRUCTURED_FIELDS, FieldError, StructuredSpec, as_int, check_range, check_structured, check_text,
+)
 
 
 @dataclass
@@ -47,23 +46,26 @@ class SamplingParams:
         self.check()
 
     def check(self) -> None:
-        """Raise ValueError naming the first field out of range."""
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+        """Raise ValueError (a schema.FieldError for the ranges of schema.INT_RANGES, the same as a
+        row's) naming the first field out of range."""
+        check_range("max_tokens", self.max_tokens)
+        check_range("min_tokens", self.min_tokens)
+        if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+        check_range("top_k", self.top_k)
+        check_range("n", self.n)
+        if self.seed is not None:
+            check_range("seed", self.seed)
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.stop:
+            check_text("stop", self.stop)
+        for i, t in enumerate(self.stop_token_ids):
+            check_range(f"stop_token_ids[{i}]", t, "token_id")
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,9 @@ import json
 import math
 from typing import Any, NamedTuple
 
+from batchgen.schema_refs import SchemaRefError, check_refs
+from batchgen.unicode_text import TextError, check_nested_text, writable
+
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # exactly one per row
 SAMPLING_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
@@ -26,6 +29,21 @@ INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "n")
 FLOAT_FIELDS = ("temperature", "top_p")
 BOOL_FIELDS = ("ignore_eos", *LOGPROB_OPTIONS)
 MAX_TOP_LOGPROBS = 20
+MAX_N = 1024  # samples of one prompt: each is a sequence of its own, built when the row is read
+INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -(2**63), 2**63 - 1
+# The inclusive range of every integer a row may give, and of the job option of the same name: one
+# table for both. Past them a value means nothing (a token count past the int32 positions of the
+# device, a seed past int64) and, past int64, cannot even reach the device.
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "max_tokens": (1, INT32_MAX),
+    "min_tokens": (0, INT32_MAX),  # (and at most max_tokens: SamplingParams)
+    "top_k": (-1, INT32_MAX),  # -1 or 0: off; past the vocabulary: the whole vocabulary
+    "seed": (0, INT64_MAX),
+    "n": (1, MAX_N),
+    "top_logprobs": (0, MAX_TOP_LOGPROBS),
+    "token_id": (0, INT32_MAX),  # each stop_token_id (then the engine's vocabulary, as for prompt_token_ids)
+    "id": (INT64_MIN, INT64_MAX),  # an integer id: an int64 column
+}
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")  # vLLM's structured_outputs keys
 
 
@@ -47,6 +65,31 @@ def as_int(name: str, value: Any) -> int:
     raise FieldError(f"{name} must be an integer, got {type_name(value)} {value!r}")
 
 
+def check_range(name: str, value: int, limits: str | None = None) -> int:
+    """`value` of field `name`, or FieldError when it is outside INT_RANGES[limits or name]."""
+    low, high = INT_RANGES[limits or name]
+    if low <= value <= high:
+        return value
+    if high < INT32_MAX:  # a small range: say all of it
+        raise FieldError(f"{name} must be in [{low}, {high}], got {value}")
+    if value < low:
+        raise FieldError(f"{name} must be >= {low}, got {value}")
+    raise FieldError(f"{name} must be <= {high}, got {value}")
+
+
+def ranged_int(name: str, value: Any) -> int:
+    """as_int, then check_range."""
+    return check_range(name, as_int(name, value))
+
+
+def check_text(name: str, value: Any) -> None:
+    """FieldError naming the first string in `value` (nested too) that UTF-8 cannot encode."""
+    try:
+        check_nested_text(name, value)
+    except TextError as e:
+        raise FieldError(str(e)) from None
+
+
 def as_float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise FieldError(f"{name} must be a number, got {type_name(value)}")
@@ -61,7 +104,25 @@ def as_int_list(name: str, value: Any) -> list[int]:
     return [as_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
 
 
+def message_text(content: Any, where: str) -> Any:
+    """A message's content as a chat template takes it: a string, or a list of OpenAI's text parts
+    ({"type": "text", "text": ...}) joined by newlines, as vLLM joins them for a text-only model.
+    Other parts (image_url, input_audio, ...) are refused. Anything else is returned as it is."""
+    if not isinstance(content, (list, tuple)):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type_name(part)
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise FieldError(f"{where}.content[{i}] is not a text part (type {kind!r}); batchgen takes text only")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def check_messages(value: Any) -> list[dict]:
+    """A chat: a list of {role, content} objects. content: a string or a list of text parts; or null
+    (or absent) in an assistant message with tool_calls. Other fields (name, tool_calls, ...) go to
+    the chat template as they are."""
     if not isinstance(value, (list, tuple)):
         raise FieldError(f"messages must be a list of {{role, content}} objects, got {type_name(value)}")
     if not value:
@@ -70,16 +131,28 @@ def check_messages(value: Any) -> list[dict]:
     for i, message in enumerate(value):
         if not isinstance(message, dict):
             raise FieldError(f"messages[{i}] must be an object with role and content, got {type_name(message)}")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise FieldError(f"messages[{i}].{key} must be a string, got {type_name(message.get(key))}")
+        # A Parquet struct column gives every message every field; unset ones come back as None.
+        message = {k: v for k, v in message.items() if v is not None}
+        if not isinstance(message.get("role"), str):
+            raise FieldError(f"messages[{i}].role must be a string, got {type_name(message.get('role'))}")
         if not message["role"]:
             raise FieldError(f"messages[{i}].role is empty")
-        # A Parquet struct column gives every message every field; unset ones come back as None.
-        messages.append({k: v for k, v in message.items() if v is not None})
-    if not any(m["content"] for m in messages):
+        if "content" in message:
+            message["content"] = message_text(message["content"], f"messages[{i}]")
+        if not isinstance(message.get("content"), str) and ("content" in message or not _calls_tools(message)):
+            raise FieldError(f"messages[{i}].content must be a string or a list of text parts, got "
+                             f"{type_name(message.get('content'))}")
+        check_text(f"messages[{i}]", message)
+        messages.append(message)
+    if not any(m.get("content") or _calls_tools(m) for m in messages):
         raise FieldError("messages has no content")
     return messages
+
+
+def _calls_tools(message: dict) -> bool:
+    """An assistant message with tool calls, which may have no content (OpenAI's form)."""
+    calls = message.get("tool_calls")
+    return message.get("role") == "assistant" and isinstance(calls, (list, tuple)) and len(calls) > 0
 
 
 def check_prompt(row: dict) -> dict:
@@ -93,8 +166,9 @@ def check_prompt(row: dict) -> dict:
     if field == "prompt":
         if not isinstance(value, str):
             raise FieldError(f"prompt must be a string, got {type_name(value)}")
-        if not value.strip():
+        if not value or value.isspace():
             raise FieldError("prompt is empty")
+        check_text("prompt", value)
         return {"prompt": value}
     if field == "messages":
         return {"messages": check_messages(value)}
@@ -105,8 +179,9 @@ def check_prompt(row: dict) -> dict:
 
 
 def check_options(row: dict) -> dict:
-    """The row's non-null sampling fields, output options and constraint, type-checked (value
-    ranges are SamplingParams' to check) -> {field: value}, itself a row that passes again."""
+    """The row's non-null sampling fields, output options and constraint, type-checked, integers in
+    INT_RANGES (the ranges that depend on each other or on the model are SamplingParams' and the
+    engine's to check) -> {field: value}, itself a row that passes again."""
     return check_options_and_constraint(row)[0]
 
 
@@ -117,7 +192,7 @@ def check_options_and_constraint(row: dict) -> tuple[dict, StructuredSpec | None
     fields: dict[str, Any] = {}
     for name in INT_FIELDS:
         if row.get(name) is not None:
-            fields[name] = as_int(name, row[name])
+            fields[name] = ranged_int(name, row[name])
     for name in FLOAT_FIELDS:
         if row.get(name) is not None:
             fields[name] = as_float(name, row[name])
@@ -129,19 +204,19 @@ def check_options_and_constraint(row: dict) -> tuple[dict, StructuredSpec | None
             raise FieldError(f"stop must be a string or a list of strings, got {type_name(stop)}")
         if any(s == "" for s in stop):
             raise FieldError("stop holds an empty string")
+        check_text("stop", list(stop))
         fields["stop"] = list(stop)
     if row.get("stop_token_ids") is not None:
-        fields["stop_token_ids"] = as_int_list("stop_token_ids", row["stop_token_ids"])
+        ids = fields["stop_token_ids"] = as_int_list("stop_token_ids", row["stop_token_ids"])
+        for i, t in enumerate(ids):
+            check_range(f"stop_token_ids[{i}]", t, "token_id")
     for name in BOOL_FIELDS:
         if row.get(name) is not None:
             if not isinstance(row[name], bool):
                 raise FieldError(f"{name} must be true or false, got {type_name(row[name])}")
             fields[name] = row[name]
     if row.get("top_logprobs") is not None:
-        k = as_int("top_logprobs", row["top_logprobs"])
-        if not 0 <= k <= MAX_TOP_LOGPROBS:
-            raise FieldError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
-        fields["top_logprobs"] = k
+        fields["top_logprobs"] = ranged_int("top_logprobs", row["top_logprobs"])
     spec = check_structured(row)
     field = next((f for f in STRUCTURED_FIELDS if row.get(f) is not None), None)
     if field is not None:
@@ -177,6 +252,11 @@ def _json_value(name: str, value: Any, want: type, what: str) -> Any:
 
 def _schema_text(name: str, schema: Any) -> str:
     schema = _json_value(name, schema, dict, "a JSON schema object (or its JSON text)")
+    check_text(name, schema)
+    try:
+        check_refs(schema)
+    except SchemaRefError as e:
+        raise FieldError(f"{name}: {e}") from None
     # the order of properties is the order they are generated in: keep it
     return json.dumps(schema, separators=(",", ":"))
 
@@ -193,6 +273,7 @@ def check_structured(row: dict) -> StructuredSpec | None:
     value = _json_value(field, row[field], dict, "an object (or its JSON text)")
     # A Parquet struct column gives every row every key; unset ones come back as None.
     value = {k: v for k, v in value.items() if v is not None}
+    check_text(field, value)
     if field == "response_format":
         kind = value.get("type")
         if kind == "text":
@@ -230,15 +311,17 @@ def check_structured(row: dict) -> StructuredSpec | None:
 
 
 def error_result(row_id, message: str, extras: dict | None = None) -> dict:
-    """The output row of a request that failed: no text, no tokens, no timings."""
+    """The output row of a request that failed: no text, no tokens, no timings. The message and the
+    carried-through columns are made writable (a lone surrogate becomes U+FFFD): an error row must
+    reach every writer, whatever its row held. The id is the caller's to choose."""
     return {
         "id": row_id,
-        **(extras or {}),
+        **(writable(extras) if extras else {}),
         "sample_index": 0,  # one error row for a request, whatever its n
         "text": None,
         "output_token_ids": [],
         "finish_reason": "error",
-        "error": message,
+        "error": writable(message),
         "prompt_tokens": 0,
         "completion_tokens": 0,
         "cached_prompt_tokens": 0,

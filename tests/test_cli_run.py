@@ -172,10 +172,10 @@ def test_bad_rows_of_every_kind_become_error_rows(tmp_path):
     assert len(rows) == len(lines) and (meta["rows_ok"], meta["rows_error"]) == (1, len(lines) - 1)
     errors = {r["id"]: r["error"] for r in rows if r["finish_reason"] == "error"}
     expected = {
-        "1": "not JSON", "2": "not a JSON object", "3": "not valid UTF-8", "noprompt": "no prompt",
+        "#line:2": "not JSON", "#line:3": "not a JSON object", "#line:4": "not valid UTF-8", "noprompt": "no prompt",
         "two": "more than one prompt field", "type": "prompt must be a string", "empty": "prompt is empty",
         "range": "outside the vocabulary", "temp": "temperature", "topp": "top_p", "long": "exceeds the limit",
-        "12": "id 'good' already seen", "maxtok": "max_tokens must be an integer",
+        "#line:13": "id 'good' already seen", "maxtok": "max_tokens must be an integer",
     }
     for row_id, fragment in expected.items():
         assert fragment in errors[row_id], (row_id, errors[row_id])

@@ -229,9 +229,9 @@ def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path):
     by_error = {r["error"]: r for r in rows.values() if r["error"]}
     assert all(r["finish_reason"] == "error" and r["text"] is None for r in by_error.values())
     ids = {r["error"].split(":")[0]: r["id"] for r in by_error.values()}
-    assert ids["not JSON"] == "1" and ids["not valid UTF-8 (at byte offset 33 of the line)"] == "3"
+    assert ids["not JSON"] == "#line:2" and ids["not valid UTF-8 (at byte offset 33 of the line)"] == "#line:4"
     dup = next(r for r in by_error.values() if "already seen" in r["error"])
-    assert dup["id"] == "8"  # an id already seen is not usable: the row's index stands in
+    assert dup["id"] == "#line:9"  # an id already seen is not usable: its line's fallback id stands in
     assert "\n" not in "".join(by_error)
 
 

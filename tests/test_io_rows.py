@@ -39,7 +39,8 @@ def test_messages_drop_null_struct_fields():
         ({"prompt": ""}, "prompt is empty"),
         ({"messages": []}, "messages is empty"),
         ({"messages": "hi"}, "messages must be a list"),
-        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string, got int"),
+        ({"messages": [{"role": "user", "content": 3}]},
+         "messages[0].content must be a string or a list of text parts, got int"),
         ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role is empty"),
         ({"messages": [{"role": "user", "content": ""}]}, "messages has no content"),
         ({"prompt_token_ids": []}, "prompt_token_ids is empty"),
@@ -65,7 +66,7 @@ def test_bad_rows_become_error_results(data, fragment):
 
 def test_unreadable_row_keeps_its_reason():
     _, error = RowChecker().check(InputRow(9, None, "not JSON: Expecting value at column 1"))
-    assert error["id"] == 9 and error["error"] == "not JSON: Expecting value at column 1"
+    assert error["id"] == "#row:9" and error["error"] == "not JSON: Expecting value at column 1"
 
 
 def test_error_rows_carry_the_other_columns():
@@ -73,11 +74,11 @@ def test_error_rows_carry_the_other_columns():
     assert error["id"] == "x" and error["lang"] == "fr"
 
 
-def test_duplicate_id_is_an_error_and_takes_the_row_index():
+def test_duplicate_id_is_an_error_and_takes_the_rows_fallback_id():
     checker = RowChecker()
     assert check({"id": "a", "prompt": "x"}, 0, checker)[1] is None
     _, error = check({"id": "a", "prompt": "y"}, 1, checker)
-    assert error["id"] == 1 and "id 'a' already seen" in error["error"]
+    assert error["id"] == "#row:1" and "id 'a' already seen" in error["error"]
     # ids compare as text: 7 and "7" are the same id
     assert check({"id": 7, "prompt": "x"}, 2, checker)[1] is None
     assert "already seen" in check({"id": "7", "prompt": "x"}, 3, checker)[1]["error"]

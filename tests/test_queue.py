@@ -167,7 +167,7 @@ def test_submit_queues_good_rows_and_answers_bad_ones_at_once(tmp_path, client, 
     errors = results(client, keys, "j")
     assert [e["index"] for e in errors] == [3, 4, 5]
     assert [e["row"]["finish_reason"] for e in errors] == ["error"] * 3
-    assert "already seen" in errors[2]["row"]["error"] and errors[2]["row"]["id"] == 5
+    assert "already seen" in errors[2]["row"]["error"] and errors[2]["row"]["id"] == "#line:6"
     # the consumer group exists from the start, at id 0: a worker started later misses nothing
     assert client.xinfo_groups(keys.requests)[0]["name"] == GROUP.encode()
 

@@ -4,6 +4,7 @@ work on (built on the engine thread)."""
 from __future__ import annotations
 
 import time
+import weakref
 from array import array
 import dataclasses
 from dataclasses import dataclass
@@ -65,11 +66,40 @@ class RequestPreparer:
         checked = [self._check(row) for row in rows]
         # A plain prompt gets the tokenizer's special tokens (BOS); a chat template writes its own.
         for field, special in (("prompt", True), ("messages", False)):
-            todo = [c for c in checked if isinstance(c, _Checked) and c.field == field]
-            if todo:
-                for c, ids in zip(todo, self.tokenizer([c.text for c in todo], add_special_tokens=special).input_ids):
-                    c.ids = ids
+            todo = [i for i, c in enumerate(checked) if isinstance(c, _Checked) and c.field == field]
+            if not todo:
+                continue
+            try:
+                encoded = self.tokenizer([checked[i].text for i in todo], add_special_tokens=special).input_ids
+            except Exception:  # one text the tokenizer refuses fails the whole call: charge it to its row alone
+                encoded = [self._encode_one(checked[i], special) for i in todo]
+            for i, ids in zip(todo, encoded):
+                if isinstance(ids, RequestError):
+                    checked[i] = ids
+                else:
+                    checked[i].ids = ids
         return [c if isinstance(c, RequestError) else self._finish(row, c) for row, c in zip(rows, checked)]
+
+    def _encode_one(self, c: _Checked, special: bool) -> list[int] | RequestError:
+        try:
+            return self.tokenizer([c.text], add_special_tokens=special).input_ids[0]
+        except Exception as e:
+            return RequestError(f"{c.field} could not be tokenized: {_one_line(e)}")
+
+    @property
+    def max_chars(self) -> int:
+        """The most characters a text may have and still fit in max_len tokens: no token stands for
+        more characters than the vocabulary's longest. Longer texts are refused before they are
+        tokenized (or templated), so a huge prompt costs no more than its own bytes."""
+        return self.max_len * longest_token_chars(self.tokenizer)
+
+    def _check_length(self, field: str, chars: int) -> None:
+        limit = self.max_chars
+        if chars > limit:
+            raise RequestError(
+                f"{field} is too long: {chars} characters cannot fit in the limit of {self.max_len} tokens (max "
+                f"model length or KV pool), at most {limit // self.max_len} characters a token; shorten it"
+            )
 
     def _check(self, row) -> _Checked | RequestError:
         if not isinstance(row, dict):
@@ -83,10 +113,15 @@ class RequestPreparer:
             params = defaults.replace(**changes)
             # the row's own constraint (its {"type": "text"} too: None) wins over the job's
             structured = own if any(f in options for f in STRUCTURED_FIELDS) else params.structured
+            for i, t in enumerate(params.stop_token_ids):  # the row's own, or the job's
+                if not 0 <= t < self.vocab_size:
+                    raise RequestError(f"stop_token_ids[{i}] is {t}, outside the vocabulary [0, {self.vocab_size})")
             (field, value), = prompt.items()
             if field == "prompt":
+                self._check_length("prompt", len(value))
                 return _Checked(options, params, structured, field, value, None)
-            if field == "messages":
+            if field == "messages":  # (the template's own text comes on top: only the contents count here)
+                self._check_length("messages", sum(len(m.get("content") or "") for m in value))
                 return _Checked(options, params, structured, field, chat_text(value, self.tokenizer), None)
             if min(value) < 0 or max(value) >= self.vocab_size:
                 bad = next(t for t in value if not 0 <= t < self.vocab_size)
@@ -116,7 +151,34 @@ def chat_text(messages: list[dict], tokenizer) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except TemplateError as e:  # the template's own raise_exception(): roles out of order, and the like
-        raise RequestError("messages refused by the model's chat template: " + " ".join(str(e).split())) from None
+        raise RequestError("messages refused by the model's chat template: " + _one_line(e)) from None
+    except Exception as e:  # the template failed on these messages (a field of a type it did not expect)
+        raise RequestError(f"the model's chat template failed on these messages: {_one_line(e)}") from None
+
+
+def _one_line(error: Exception) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if not isinstance(error, (TemplateError, ValueError)) else text
+
+
+# tokenizer -> the most characters one of its tokens stands for (each tokenizer's vocabulary read once)
+_LONGEST_TOKEN: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token can stand for: the longest token of the vocabulary (added
+    tokens included) as the tokenizer spells it, which is never shorter than the text it encodes (a
+    byte-level token spells each byte as one character; a byte-fallback token "<0x41>" spells one)."""
+    try:
+        return _LONGEST_TOKEN[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    try:
+        _LONGEST_TOKEN[tokenizer] = longest
+    except TypeError:  # (an object that takes no weak reference: count again next time)
+        pass
+    return longest
 
 
 class Status(Enum):

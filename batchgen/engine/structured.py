@@ -124,14 +124,29 @@ class StructuredDecoding:
         compiler = self._compiler
         try:
             if spec.kind == "json":  # compact JSON: free whitespace lets a small model pad forever
-                return compiler.compile_json_schema(spec.source or '{"type": "object"}', any_whitespace=False)
-            if spec.kind == "regex":
-                return compiler.compile_regex(spec.source)
-            if spec.kind == "choice":
-                return compiler.compile_grammar(choice_grammar(json.loads(spec.source)))
-            return compiler.compile_grammar(spec.source)
+                compiled = compiler.compile_json_schema(spec.source or '{"type": "object"}', any_whitespace=False)
+            elif spec.kind == "regex":
+                compiled = compiler.compile_regex(spec.source)
+            elif spec.kind == "choice":
+                compiled = compiler.compile_grammar(choice_grammar(json.loads(spec.source)))
+            else:
+                compiled = compiler.compile_grammar(spec.source)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / InvalidJSONError
             raise GrammarError(f"{field_name(spec)}: invalid or unsupported {spec.kind}: {one_line(e)}") from None
+        if not self._allows_a_first_token(compiled):
+            raise GrammarError(f"{field_name(spec)}: no output can match this {spec.kind} (a rule that only "
+                               f"refers to itself?)")
+        return compiled
+
+    def _allows_a_first_token(self, compiled) -> bool:
+        """Whether a fresh matcher of `compiled` allows any token (a stop token counts): a grammar
+        whose language is empty (root ::= root) allows none, and its row would fail at its first
+        token. (Once per distinct spec.)"""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.mask_vocab)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        return bool(bitmask.any())
 
     def attach(self, seq: Sequence) -> None:
         """Start compiling the sequence's spec; raises GrammarError at once when it is known bad."""

@@ -18,7 +18,10 @@ from typing import Any, Iterable
 
 from batchgen.io.rows import IdSet, InputRow, RowChecker, checked_request, error_row
 from batchgen.io.sources import JSONL_SUFFIXES, JsonlSource
-from batchgen.schema import MAX_TOP_LOGPROBS, FieldError, PROMPT_FIELDS, as_int, type_name
+from batchgen.schema import (
+    MAX_TOP_LOGPROBS, FieldError, PROMPT_FIELDS, as_int, check_text, message_text, type_name,
+)
+from batchgen.unicode_text import lone_surrogate
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -101,19 +104,6 @@ def _same(value: Any, default: Any) -> bool:
     return type(value) is type(default) and value == default
 
 
-def _text_of(content: Any, where: str) -> Any:
-    """A message's content: a string, or OpenAI's list of text parts joined by newlines."""
-    if not isinstance(content, list):
-        return content
-    texts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type_name(part)
-            raise FieldError(f"{where}.content[{i}] is not a text part (type {kind!r}); batchgen takes text only")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
 def _messages(value: Any) -> Any:
     """OpenAI's messages as a chat template takes them: content as text, and the `developer` role
     (OpenAI's newer name for the system prompt) as `system`, which chat templates know."""
@@ -122,7 +112,7 @@ def _messages(value: Any) -> Any:
     messages = []
     for i, m in enumerate(value):
         if isinstance(m, dict):
-            m = {**m, "content": _text_of(m.get("content"), f"body.messages[{i}]")}
+            m = {**m, "content": message_text(m.get("content"), f"body.messages[{i}]")}
             if m.get("role") == "developer":
                 m["role"] = "system"
         messages.append(m)
@@ -278,9 +268,14 @@ class OpenAIRowChecker:
         if not isinstance(custom_id, str) or not custom_id:
             problem = "is empty" if custom_id == "" else f"must be a string, got {type_name(custom_id)}"
             return None, error_row(row.index, None, f"custom_id {problem} ({where})")
+        at = lone_surrogate(custom_id)
+        if at is not None:
+            return None, error_row(row.index, None, f"custom_id is not valid Unicode: lone surrogate at character {at} "
+                                                    f"({where})")
         if not self.seen.add(custom_id):
             return None, error_row(row.index, None, f"custom_id {custom_id!r} already seen in this input ({where})")
         try:
+            check_text("", {k: v for k, v in data.items() if k != "custom_id"})  # names it: body.messages[0].content
             mapped = self.mapper.line(data)
         except FieldError as e:
             return None, error_row(row.index, custom_id, str(e), self._recorded(data))

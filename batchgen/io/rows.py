@@ -2,19 +2,29 @@
 
 A row that fails a check becomes an error result at once (``finish_reason == "error"``, a one-line
 ``error``); it never reaches the engine and never stops the job. Here: its id (unique in the input),
-reserved column names, and the field types (batchgen.schema's checks, which the engine applies to
-Python API requests too). The engine checks what needs the model (token ids in range, prompt length,
-sampling value ranges).
+reserved column names, every string valid Unicode (no lone surrogate: see batchgen.unicode_text),
+and the field types and integer ranges (batchgen.schema's checks, which the engine applies to Python
+API requests too). The engine checks what needs the model (token ids in the vocabulary, prompt
+length, the sampling ranges that depend on each other).
+
+An error row whose own id is unusable (missing where its index is taken, of the wrong type, out of
+range, not valid Unicode, or already seen) gets a fallback id that no real id can be mistaken for:
+``#line:N`` for line N (1-based, as editors count) of a JSONL file, ``#row:N`` for row N (0-based,
+as Arrow and pandas count) of a Parquet file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.schema import KNOWN_FIELDS, FieldError, check_options, check_prompt, error_result, type_name
+from batchgen.schema import (
+    KNOWN_FIELDS, FieldError, check_options, check_prompt, check_range, check_text, error_result, type_name,
+)
+from batchgen.unicode_text import lone_surrogate
 
 
 # Columns every output row has, in file order after `id` and the carried-through columns.
@@ -31,6 +41,7 @@ ROW_KEY = "__batchgen_row__"
 # is only partly done.
 ROW_SAMPLES_KEY = "__batchgen_samples__"
 RESERVED = frozenset((*OUTPUT_FIELDS, ROW_KEY, ROW_SAMPLES_KEY))
+FALLBACK_ID = re.compile(r"#(line|row):[0-9]+")  # the form of InputRow.fallback_id, which no real id may take
 
 
 @dataclass
@@ -40,6 +51,12 @@ class InputRow:
     index: int  # 0-based position in the input (the line index for JSONL)
     data: dict | None
     error: str | None = None
+    unit: str = "row"  # what `index` counts: "line" (JSONL) or "row" (Parquet, Python lists)
+
+    @property
+    def fallback_id(self) -> str:
+        """The id of this row's error result when the row has no usable id of its own."""
+        return f"#line:{self.index + 1}" if self.unit == "line" else f"#row:{self.index}"
 
 
 class IdSet:
@@ -68,15 +85,36 @@ class RowError(FieldError):
 
 
 def check_id(value: Any) -> str | int:
-    if isinstance(value, str):
-        if not value:
-            raise RowError("id is an empty string")
-        return value
-    if isinstance(value, bool):
-        raise RowError("id must be a string or an integer, got bool")
-    if isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value.is_integer()):
-        return int(value)
+    """An id, checked: a non-empty string that UTF-8 can encode, or an integer in int64's range."""
+    try:
+        if isinstance(value, str):
+            if not value:
+                raise RowError("id is an empty string")
+            check_text("id", value)
+            if value.startswith("#") and FALLBACK_ID.fullmatch(value):
+                raise RowError(f"id {value!r} has the form of the ids batchgen gives rows without a usable id "
+                               f"(#line:N, #row:N); choose another")
+            return value
+        if isinstance(value, bool):
+            raise RowError("id must be a string or an integer, got bool")
+        if isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value.is_integer()):
+            return check_range("id", int(value))
+    except FieldError as e:
+        raise RowError(str(e)) from None
     raise RowError(f"id must be a string or an integer, got {type_name(value)}")
+
+
+def check_columns_text(extras: dict) -> None:
+    """RowError naming the first carried-through column whose name or value (nested too) holds a
+    string that UTF-8 cannot encode: no writer could store it."""
+    for name, value in extras.items():
+        at = lone_surrogate(name) if isinstance(name, str) else None
+        if at is not None:
+            raise RowError(f"a column name is not valid Unicode: lone surrogate at character {at}")
+        try:
+            check_text(f"column {name}", value)
+        except FieldError as e:
+            raise RowError(str(e)) from None
 
 
 class RowChecker:
@@ -94,14 +132,14 @@ class RowChecker:
         """Returns (request, None) for a good row and (None, error result) for a bad one.
 
         The request holds the id, the prompt field, the per-row sampling fields, the carried-through
-        columns and ROW_KEY. A row without a usable id (none, null, wrong type, or already seen) gets
-        its index as id.
+        columns and ROW_KEY. A row without an id gets its index as id; the error result of a row
+        without a usable id gets the row's fallback id.
         """
         if row.data is None:
-            return None, error_row(row.index, row.index, row.error or "unreadable row")
+            return None, error_row(row.index, row.fallback_id, row.error or "unreadable row")
         data = row.data
         if not isinstance(data, dict):
-            return None, error_row(row.index, row.index, f"not a JSON object (got {_json_type(data)})")
+            return None, error_row(row.index, row.fallback_id, f"not a JSON object (got {_json_type(data)})")
         extras = {k: v for k, v in data.items() if k not in KNOWN_FIELDS}  # carried through
 
         row_id: str | int = row.index
@@ -111,15 +149,13 @@ class RowChecker:
                 row_id = check_id(data["id"])
             except RowError as e:
                 id_problem = str(e)
-                row_id = row.index
         if id_problem is None and not self.seen.add(row_id):
             if row_id == row.index and data.get("id") is None:
                 id_problem = f"the row has no id and its index {row.index} is already another row's id"
             else:
                 id_problem = f"id {row_id!r} already seen in this input"
-                row_id = row.index
         if id_problem is not None:
-            return None, error_row(row.index, row_id, id_problem, extras)
+            return None, error_row(row.index, row.fallback_id, id_problem, extras)
         return checked_request(row.index, row_id, data, extras)
 
 
@@ -136,6 +172,7 @@ def checked_request(index: int, row_id: str | int, data: dict,
         names = ", ".join(reserved)
         return None, error_row(index, row_id, f"column {names} is reserved for the output; rename it", extras)
     try:
+        check_columns_text(extras)
         request = {"id": row_id, **check_prompt(data), **check_options(data)}
     except FieldError as e:
         return None, error_row(index, row_id, str(e), extras)

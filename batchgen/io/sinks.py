@@ -146,6 +146,8 @@ class Layout:
     def _fixed_table(self, rows: list[dict]) -> pa.Table:
         schema = self.fixed_schema.append(pa.field(ROW_KEY, pa.int64())).append(pa.field(ROW_SAMPLES_KEY, pa.int64()))
         id_is_text = not pa.types.is_integer(schema.field("id").type)
+        if not id_is_text and any(isinstance(r.get("id"), str) for r in rows):
+            rows = [_fallback_id_in_error(r) if isinstance(r.get("id"), str) else r for r in rows]
         columns = {}
         for f in schema:
             values = [r.get(f.name) for r in rows]
@@ -207,6 +209,12 @@ class Layout:
         asked = {f.name for schema in part_schemas for f in schema}
         fields += [pa.field(n, t) for n, t in OPTIONAL_OUTPUT_TYPES.items() if n in asked]
         return pa.schema(fields)
+
+
+def _fallback_id_in_error(row: dict) -> dict:
+    """An error row whose id is a fallback (io.rows: "#row:N") in an integer id column: a null id,
+    the fallback named in its error instead."""
+    return {**row, "id": None, "error": f"{row.get('error')} ({row['id']})"}
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -64,16 +64,16 @@ def parse_jsonl_line(index: int, raw: bytes) -> InputRow:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return InputRow(index, None, f"not valid UTF-8 (at byte offset {e.start} of the line)")
+        return InputRow(index, None, f"not valid UTF-8 (at byte offset {e.start} of the line)", "line")
     try:
         data = json.loads(line)
     except json.JSONDecodeError as e:
-        return InputRow(index, None, f"not JSON: {e.msg} at column {e.colno}")
+        return InputRow(index, None, f"not JSON: {e.msg} at column {e.colno}", "line")
     except RecursionError:
-        return InputRow(index, None, "not usable JSON: nested too deeply")
+        return InputRow(index, None, "not usable JSON: nested too deeply", "line")
     except ValueError as e:  # an integer over Python's 4,300 digits
-        return InputRow(index, None, f"not usable JSON: {str(e).split(':')[0].lower()}")
-    return InputRow(index, data)
+        return InputRow(index, None, f"not usable JSON: {str(e).split(':')[0].lower()}", "line")
+    return InputRow(index, data, unit="line")
 
 
 class ParquetSource:
@@ -97,9 +97,29 @@ class ParquetSource:
     def __iter__(self) -> Iterator[InputRow]:
         index = 0
         for batch in self._file.iter_batches(batch_size=self.batch_size):
-            for data in batch.to_pylist():
+            try:
+                rows = batch.to_pylist()
+            except UnicodeDecodeError:  # a string column holds bytes that are not UTF-8: find the rows
+                for i in range(batch.num_rows):
+                    yield InputRow(index, *_decode_row(batch.slice(i, 1)))
+                    index += 1
+                continue
+            for data in rows:
                 yield InputRow(index, data)
                 index += 1
+
+
+def _decode_row(row: pa.RecordBatch) -> tuple[dict | None, str | None]:
+    """A one-row batch -> (its dict, None), or (None, the first column that is not UTF-8)."""
+    try:
+        return row.to_pylist()[0], None
+    except UnicodeDecodeError:
+        for name, column in zip(row.schema.names, row.columns):
+            try:
+                column.to_pylist()
+            except UnicodeDecodeError as e:
+                return None, f"column {name} is not valid UTF-8 (at byte {e.start} of its value)"
+        return None, "not valid UTF-8"
 
 
 def _one_line(error: BaseException) -> str:

@@ -30,9 +30,11 @@ from typing import Any, Callable, Iterator
 
 import redis
 
+from batchgen.io.rows import RowError, check_columns_text
 from batchgen.queue.metrics import WorkerMetrics
 from batchgen.sampling_params import samples_of
-from batchgen.schema import error_result
+from batchgen.schema import KNOWN_FIELDS, error_result
+from batchgen.unicode_text import writable
 from batchgen.queue.protocol import (
     DELETE_IDLE_CONSUMER, FATAL, FINISH, GROUP, TOUCH, Backoff, Keys, Message, decode_request, encode_dead_letter,
     encode_result, ensure_group, request_id_of, text, to_json,
@@ -250,6 +252,9 @@ class Worker:
             log.warning("malformed message %s of job %s: %s", message.msg_id, message.job, message.error,
                         extra={"event": "malformed", "message_id": message.msg_id, "job": message.job})
             self._answer(message, [error_result(request_id_of(message), f"malformed message: {message.error}")])
+        elif (problem := _unwritable_column(message.request)) is not None:  # a bad row: its error result at once
+            extras = {k: v for k, v in message.request.items() if k not in KNOWN_FIELDS}
+            self._answer(message, [error_result(message.request.get("id"), problem, extras)])
         elif deliveries >= self.config.max_deliveries and deliveries > 1:
             self.last_chance.append(message)
         else:
@@ -278,6 +283,8 @@ class Worker:
     def _answer(self, message: Message, rows: list[dict]) -> None:
         entries = []
         for row in rows:
+            if row.get("finish_reason") == "error":  # (its id may be what made it one: a lone surrogate)
+                row = writable(row)
             try:
                 entries.append(encode_result(message.msg_id, message.index, self.config.consumer, row, len(rows)))
             except (TypeError, ValueError) as e:  # a value JSON cannot hold
@@ -295,7 +302,7 @@ class Worker:
         dead = encode_dead_letter(message, reason, deliveries, self.config.consumer)
         entries = []
         if message.job is not None:
-            row = error_result(request_id_of(message), f"{reason}; the message is in {self.keys.dead}")
+            row = error_result(writable(request_id_of(message)), f"{reason}; the message is in {self.keys.dead}")
             entries.append(encode_result(message.msg_id, message.index, self.config.consumer, row))
         self.unsent.append(_Answer(message, entries, dead, message.job is not None))
         self._send_unsent()
@@ -470,6 +477,16 @@ class Worker:
             self._next_claim = max(self._next_claim, time.monotonic() + self.config.claim_idle_s / 2)
         self.backoff.succeeded()
         return value
+
+
+def _unwritable_column(request: dict) -> str | None:
+    """Why a request's carried-through columns cannot be written (a lone surrogate), or None. The
+    engine checks the fields it reads; these it only carries, into a result Redis would refuse."""
+    try:
+        check_columns_text({k: v for k, v in request.items() if k not in KNOWN_FIELDS})
+    except RowError as e:
+        return str(e)
+    return None
 
 
 def _output_row(result: dict) -> dict:

@@ -61,7 +61,7 @@ BAD_SPECS = [
     ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs.grammar: invalid"),
     ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs.json: invalid"),
     ({"structured_outputs": {"json": '{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}'}},
-     "structured_outputs.json: invalid"),
+     "structured_outputs.json: $ref '#/nowhere' at #/properties/a points to nothing in the schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
      "response_format.json_schema.schema: invalid"),
     ({"response_format": {"type": "xml"}}, "response_format.type must be text, json_object or json_schema"),
