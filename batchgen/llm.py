@@ -5,7 +5,7 @@ import threading
 from collections.abc import Iterable, Iterator
 
 from batchgen.config import EngineConfig
-from batchgen.engine.engine import LLMEngine
+from batchgen.engine.engine import CLOSED, EngineClosedError, LLMEngine
 from batchgen.engine.replicas import ReplicaPool, data_parallel_size
 from batchgen.models.generation_config import read_sampling_defaults
 from batchgen.sampling_params import SamplingParams, resolve_defaults
@@ -32,9 +32,17 @@ class LLM:
         self._model_sampling: dict | None = None  # the sampling defaults of the model's generation_config.json
 
     def close(self) -> None:
-        """Release the engine's worker processes (tensor parallelism, data-parallel replicas); also done
-        when the LLM is collected or the interpreter exits."""
+        """Free the engine: end its worker processes (tensor parallelism, data-parallel replicas) and free
+        the model's weights, the KV cache and the CUDA graphs, so that another LLM in this process finds
+        the memory free. Idempotent; generate() raises afterwards. Dropping the last reference to the LLM
+        frees the same (`with LLM(...) as llm:` closes it at the end of the block)."""
         self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def generated_tokens(self) -> int:
@@ -73,7 +81,13 @@ class LLM:
         bounded memory. A live source (a queue) may yield None for "nothing right now": the engine
         keeps running what it has and asks again after the next step. A bad request yields an error
         row at once and affects no other. `sampling` holds the defaults a request's own fields
-        override; None: get_default_sampling_params()."""
+        override; None: get_default_sampling_params(). EngineClosedError (a RuntimeError) once the LLM
+        is closed, here rather than at the first next()."""
+        if self.engine.closed:
+            raise EngineClosedError(CLOSED)
+        return self._generate(requests, sampling, stop_event)
+
+    def _generate(self, requests, sampling, stop_event) -> Iterator[dict]:
         defaults = sampling or self.get_default_sampling_params()
         yield from self.engine.generate(requests, defaults, stop_event, threaded=self.tokenizer_pool)
 

@@ -32,8 +32,14 @@ from batchgen.token_text import token_text_of
 
 log = logging.getLogger("batchgen")
 
+CLOSED = ("this LLM was closed (close() or the end of its with block freed its model and KV cache); "
+          "create a new LLM(...) to generate again")
 _END = object()
 PREPARE_BATCH = 64  # rows per tokenizer call: enough for a batched encode, few enough to start at once
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed: its model and KV pool are freed."""
 
 
 class LLMEngine:
@@ -71,6 +77,7 @@ class LLMEngine:
         )
         self.finish = FinishRules(self.tokenizer, self.structured)
         self.in_flight: StepOutput | None = None  # the launched step not yet read back
+        self.closed = False  # close() freed the model and the KV pool
         self.stats: dict = {}  # the last generate()'s: generation_seconds, prompt_tokens, output_tokens
         self.generated_tokens = 0  # tokens sampled so far, unfinished rows' included: progress displays read it
         log.info("engine ready: %s", self.describe())
@@ -119,15 +126,23 @@ class LLMEngine:
         return self.scheduler.has_work() or self.in_flight is not None
 
     def close(self) -> None:
-        """End the tensor-parallel workers, if any (also done when the engine is collected)."""
+        """End the tensor-parallel workers, if any, and free the model, the KV pool and the CUDA graphs.
+        Idempotent. Dropping the engine does the same: nothing in it holds a reference cycle, so its memory
+        goes with the last reference (the workers end by a finalizer)."""
+        if self.closed:
+            return
+        self.closed = True
         if self.workers is not None:
             self._finalizer()
+        self.abort_all()
+        self.runner.close()
 
     # ---- the loop ------------------------------------------------------------------------------
     def generate(self, requests: Iterable[dict], defaults: SamplingParams,
                  stop_event: threading.Event | None = None, threaded: bool = True) -> Iterator[dict]:
         """Yield one result row per request (LLM.generate says how), as each finishes. threaded:
-        tokenize and detokenize in worker threads beside the loop (False: on this thread, between steps)."""
+        tokenize and detokenize in worker threads beside the loop (False: on this thread, between steps).
+        EngineClosedError once the engine is closed."""
         source = iter(requests)
         lookahead = 4 * self.config.max_num_seqs  # waiting requests the scheduler can choose from
         # Rows are checked and tokenized ahead of the loop, finished texts decoded behind it.
@@ -202,6 +217,8 @@ class LLMEngine:
                     behind.submit(self.step())
                 ahead.release()  # (starting: its step is launched)
                 yield from results(behind.take(wait_all=not self.has_work()))
+                if self.closed:  # (closed while this generator was suspended: its rows were dropped)
+                    raise EngineClosedError(CLOSED)
                 if exhausted and not self.has_work() and not ahead.pending:
                     break
         except Exception:
@@ -220,6 +237,8 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Schedule and launch one batch, then read back the previous one while the device runs
         this one; -> the sequences that finished in the previous batch."""
+        if self.closed:
+            raise EngineClosedError(CLOSED)
         if self.workers is None:
             return self._step()
         self.workers.check()

@@ -6,6 +6,7 @@ first) when the free list runs short. The tensors themselves are the executor's 
 """
 from __future__ import annotations
 
+import weakref
 from array import array
 
 
@@ -16,11 +17,22 @@ class KVSlots:
         # garbage collector walks every list, and a pool holds millions of slots. Pops from the end.
         self.free_slots = array("q", range(num_slots - 1, -1, -1))
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self.prefix_cache = None  # a PrefixCache over this pool, when prefix caching is on
+        self._prefix_cache = None  # a weak reference to the PrefixCache over this pool (see prefix_cache)
+
+    @property
+    def prefix_cache(self):
+        """The PrefixCache over this pool, when prefix caching is on, else None. Held weakly: the cache
+        holds the pool (it frees evicted slots), and a cycle would keep the free lists alive after the
+        engine is dropped, until the garbage collector happens to run."""
+        return self._prefix_cache() if self._prefix_cache is not None else None
+
+    @prefix_cache.setter
+    def prefix_cache(self, cache) -> None:
+        self._prefix_cache = weakref.ref(cache) if cache is not None else None
 
     def alloc(self, n: int) -> array:
-        if n > len(self.free_slots) and self.prefix_cache is not None:
-            self.prefix_cache.evict(n - len(self.free_slots))
+        if n > len(self.free_slots) and (cache := self.prefix_cache) is not None:
+            cache.evict(n - len(self.free_slots))
         assert 0 < n <= len(self.free_slots), f"asked for {n} slots, {self.num_free} free"
         slots = self.free_slots[-n:]
         del self.free_slots[-n:]
@@ -37,7 +49,8 @@ class KVSlots:
     @property
     def num_available(self) -> int:
         """Slots an alloc can hand out: free ones and those the prefix cache would evict."""
-        return len(self.free_slots) + (self.prefix_cache.evictable if self.prefix_cache is not None else 0)
+        cache = self.prefix_cache
+        return len(self.free_slots) + (cache.evictable if cache is not None else 0)
 
     def alloc_row(self) -> int:
         return self.free_rows.pop()

@@ -175,8 +175,13 @@ class ReplicaPool:
         first = self.described[min(self.described)]
         return {**first, "data_parallel_size": len(self.replicas)}
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        """End the replicas (also done at interpreter exit: they watch this process)."""
+        """End the replicas, which frees their GPUs (also done when the pool is dropped, and at interpreter
+        exit: they watch this process)."""
         if self._closed:
             return
         self._closed = True

@@ -24,6 +24,11 @@ class KVCache:
         self.req_to_token = torch.zeros((max_num_seqs + 1, max_model_len), dtype=torch.int32, device=device)
         self.req_to_token[self.pad_row, 0] = self.pad_slot
 
+    def release(self) -> None:
+        """Free the pool's device memory; it holds no slots afterwards."""
+        self.k = self.v = torch.empty(0, dtype=self.k.dtype, device=self.k.device)
+        self.req_to_token = torch.empty((0, 0), dtype=torch.int32, device=self.k.device)
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

@@ -2,6 +2,7 @@
 KV pool's dtypes, and the pool's size from the memory left after the weights and a step's activations."""
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def num_kv_slots(runner) -> int:
     if runner.device.type == "cpu":
         budget = cfg.cpu_kv_cache_gb * 2**30
     else:
+        gc.collect()  # an engine the caller dropped inside some reference cycle: its memory counts as free
         peak = profile_peak_bytes(runner)
         peaks = 2 if cfg.cuda_graphs else 1
         free, total = torch.cuda.mem_get_info(runner.device)

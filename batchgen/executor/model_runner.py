@@ -67,6 +67,20 @@ class ModelRunner:
                     self.use_graphs(ModelGraphs(self.model, self.kv, config.max_num_seqs,
                                                 self.max_num_batched_tokens, self.device))
 
+    def close(self) -> None:
+        """Free what this runner holds on its device: the CUDA graphs, the KV pool, the model's weights and
+        the staging buffers; on CUDA the allocator's cached blocks go back to the driver, so that another
+        engine in this process can size its KV pool from them. Idempotent; no step runs afterwards."""
+        if self.model is None:
+            return
+        if self.graphs is not None:
+            self.graphs.release()  # (waits for the device to finish their work)
+        self.kv.release()
+        self.graphs = self.model = self.staging = self.sampler = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     def use_graphs(self, graphs: ModelGraphs) -> None:
         """Run the steps that graphs hold through them; the sampler keeps every step's tokens where the
         decode graphs read their pending input tokens."""

@@ -136,6 +136,7 @@ class TPWorkers:
             self.tp.abort(wait_s=0)  # raises NCCL's flag: kernels waiting for the dead rank return
         if self.release_graphs is not None:  # NCCL's abort ends only once no graph holds the group
             self.release_graphs(wait=not force)
+            self.release_graphs = None  # (it holds the graphs, which hold the model and the KV pool)
         if self.tp is not None:
             self.tp.close_symmetric()
         if nccl or (self.tp is not None and self.failure is not None):

@@ -10,6 +10,8 @@ the skinny kernel would not read through TMA.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from batchgen.kernels import decode_mlp_gluon
@@ -30,6 +32,24 @@ class OneRowMLP:
         self.next = self.first = self  # the next layer's and the first layer's (linked_one_row_mlps)
         self.open = False  # (the first layer's) a forward's MLPs began and have not all run yet
 
+    # The ring's links are weak (the model's layers hold every OneRowMLP): a ring of strong ones is a
+    # reference cycle that would keep the weights' copies on the GPU after the model is dropped.
+    @property
+    def next(self) -> OneRowMLP:
+        return self._next()
+
+    @next.setter
+    def next(self, mlp: OneRowMLP) -> None:
+        self._next = weakref.ref(mlp)
+
+    @property
+    def first(self) -> OneRowMLP:
+        return self._first()
+
+    @first.setter
+    def first(self, mlp: OneRowMLP) -> None:
+        self._first = weakref.ref(mlp)
+
     @staticmethod
     def takes(x, residual: torch.Tensor | None) -> bool:
         """Whether the MLP after an attention block of output x runs here: one row of a plain tensor."""
@@ -37,16 +57,17 @@ class OneRowMLP:
 
     def __call__(self, norm, x: torch.Tensor, residual: torch.Tensor) -> tuple[SplitParts, torch.Tensor]:
         """(the MLP of norm(x + residual), as one fp32 part, x + residual); norm: the layer's RMSNorm."""
-        if self.first is self:
+        first, following = self._first(), self._next()
+        if first is self:
             if self.open:  # the last forward raised part-way (an eager step): the last layer never zeroed this
                 self.sum.zero_()
             self.open = True
         # the persistent Gluon kernel where its check passed (H = 2,048), else the Triton one
         gluon = decode_mlp_gluon.usable(x.device, residual.dtype, self.w_down_t.shape[1])
         mlp = decode_mlp_gluon.decode_mlp_gluon if gluon else decode_mlp
-        new_residual = mlp(x, residual, norm.weight, norm.eps, self.w_gate_up, self.w_down_t, self.sum, self.next.sum)
-        if self.next is self.first:
-            self.first.open = False
+        new_residual = mlp(x, residual, norm.weight, norm.eps, self.w_gate_up, self.w_down_t, self.sum, following.sum)
+        if following is first:
+            first.open = False
         return self.parts, new_residual
 
 

@@ -59,6 +59,9 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     missing = set(params) - loaded - ({"lm_head.weight"} if tied else set())
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights: {', '.join(sorted(missing)[:5])}")
+    for param in params.values():  # done with: each is a bound method of the parameter's module, a
+        if hasattr(param, "weight_loader"):  # reference cycle that would keep the weights after the model
+            del param.weight_loader
 
 
 def build_model(
