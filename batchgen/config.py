@@ -12,6 +12,16 @@ DEVICES = ("auto", "cuda", "cpu")
 GENERATION_CONFIGS = ("auto", "none")  # auto: the model's generation_config.json gives sampling defaults
 
 
+def env_threads(name: str) -> int | None:
+    """A thread count from the environment: a whole number >= 1, or unset / "auto" (None)."""
+    value = os.environ.get(name, "").strip()
+    if value.lower() in ("", "auto"):
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"invalid {name}: {value!r}; give a number of threads >= 1, or auto")
+    return int(value)
+
+
 def _env_on(name: str) -> bool:
     """A switch that is on unless its environment variable is 0."""
     return os.environ.get(name, "1") != "0"
@@ -39,6 +49,10 @@ class EngineConfig:
     # GPU features to turn off when debugging a GPU or driver problem (BATCHGEN_PDL=0, BATCHGEN_SYMM_ALL_REDUCE=0)
     pdl: bool = field(default_factory=lambda: _env_on("BATCHGEN_PDL"))  # programmatic dependent launch, Hopper+
     symmetric_all_reduce: bool = field(default_factory=lambda: _env_on("BATCHGEN_SYMM_ALL_REDUCE"))  # off: NCCL
+
+    # torch's CPU threads; None (auto): the usable cores less those other processes keep busy, re-measured
+    # as the job runs (executor/cpu_threads.py). Env BATCHGEN_CPU_THREADS (a number, or "auto").
+    cpu_threads: int | None = field(default_factory=lambda: env_threads("BATCHGEN_CPU_THREADS"))
 
     def __post_init__(self):
         def need(ok: bool, option: str, what: str):
@@ -68,6 +82,8 @@ class EngineConfig:
         need(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb", "must be > 0")
         need(self.generation_config in GENERATION_CONFIGS, "generation_config",
              f"{self.generation_config!r}; choose one of {', '.join(GENERATION_CONFIGS)}")
+        need(self.cpu_threads is None or (isinstance(self.cpu_threads, int) and self.cpu_threads >= 1),
+             "cpu_threads", f"{self.cpu_threads!r}; give a number of threads >= 1, or None for auto")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

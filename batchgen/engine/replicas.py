@@ -35,6 +35,7 @@ from transformers import AutoTokenizer
 
 from batchgen.config import EngineConfig
 from batchgen.engine.finish import error_row
+from batchgen.executor.cpu_threads import usable_cores
 from batchgen.executor.memory import resolve_device
 from batchgen.executor.processes import (
     EXIT_FAILED, EXIT_PARENT_GONE, EXIT_STOPPED, ChildGroup, exit_now, report_failure, watch_parent,
@@ -146,6 +147,8 @@ class ReplicaPool:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=config.trust_remote_code)
         environments = replica_environments(config, size)
         replica_config = dataclasses.replace(config, model=str(self.model_dir), data_parallel_size=1)
+        if resolve_device(config.device).type == "cpu" and config.cpu_threads is None:  # the cores, shared evenly
+            replica_config.cpu_threads = max(1, usable_cores() // (size * config.tensor_parallel_size))
         self.stats: dict = {}
         self.children = ChildGroup(
             replica_main, [(replica_config, size) for _ in range(size)],
@@ -396,8 +399,6 @@ def replica_main(index: int, config: EngineConfig, size: int, work, life) -> Non
         signal.signal(sig, signal.SIG_IGN)
     engine = None
     try:
-        if resolve_device(config.device).type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the replicas share the cores
         from batchgen.engine.engine import LLMEngine
 
         engine = LLMEngine(config)

@@ -10,6 +10,7 @@ import torch
 
 from batchgen.config import EngineConfig
 from batchgen.executor.cpu_memory import keep_freed_memory
+from batchgen.executor.cpu_threads import CpuThreads, usable_cores
 from batchgen.executor.cuda_graphs import ModelGraphs
 from batchgen.executor.kv_cache import KVCache
 from batchgen.executor.memory import num_kv_slots, resolve_device, resolve_dtype, resolve_kv_dtype
@@ -25,6 +26,14 @@ from batchgen.models.loader import build_model
 from batchgen.models.model_config import ModelConfig
 
 log = logging.getLogger("batchgen")
+
+
+def cpu_threads_of(config: EngineConfig, tp_size: int) -> int | None:
+    """The CPU threads of each rank: config.cpu_threads, or None (automatic) on one rank. Under tensor
+    parallelism the ranks share the cores evenly (each would count the others as a foreign load)."""
+    if config.cpu_threads is not None or tp_size == 1:
+        return config.cpu_threads
+    return max(1, usable_cores() // tp_size)
 
 
 class ModelRunner:
@@ -44,6 +53,8 @@ class ModelRunner:
             self.max_model_len = min(self.max_model_len, model_cfg.sliding_window)
         default_budget = 8192 if self.device.type == "cuda" else 2048
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(default_budget, config.max_num_seqs)
+        # the thread count first: loading converts and packs weights on these threads too
+        self.cpu_threads = CpuThreads(cpu_threads_of(config, tp.size)) if self.device.type == "cpu" else None
         self.model = build_model(model_cfg, model_dir, self.dtype, self.device, self.max_model_len, tp,
                                  pdl=config.pdl)
         if self.device.type == "cpu":
@@ -185,6 +196,8 @@ class ModelRunner:
                        logits_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rank 0: queue a step's forward -> its logits [num_logits, V] in logits_dtype (logits_dtype()),
         not waited for. previous_tokens: the sampled tokens of the step in flight."""
+        if self.cpu_threads is not None:
+            self.cpu_threads.adjust()
         return self.run_step(inputs, previous_tokens, logits_dtype)
 
     @torch.inference_mode()

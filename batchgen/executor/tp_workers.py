@@ -155,8 +155,7 @@ def worker_main(index, size, store_path, config, model_dir, device_type, steps, 
         if device_type == "cuda":
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
-        else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        else:  # (the runner sets the thread count: model_runner.cpu_threads_of)
             device = torch.device("cpu")
         life.send(("ready", None))
         tp = connect(store_path, rank, size, device, config.symmetric_all_reduce)
