@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
@@ -169,7 +169,7 @@ class _Signals:
         self.generating = False
         self._previous: dict = {}
 
-    def __enter__(self) -> "_Signals":
+    def __enter__(self) -> _Signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -185,7 +185,8 @@ class _Signals:
         name = signal.Signals(signum).name
         if self.generating and not self.stop_event.is_set():
             self.stop_event.set()
-            print(f"batchgen: {name}: stopping; finished rows are kept (send it again to stop at once)", file=sys.stderr)
+            print(f"batchgen: {name}: stopping; finished rows are kept (send it again to stop at once)",
+                  file=sys.stderr)
             return
         raise KeyboardInterrupt
 
@@ -251,7 +252,7 @@ SAMPLING_OPTIONS = (
     _option("top_p", Optional[float], None, panel=SAMPLING, help="Default: the model's, else 1.0."),
     _option("top_k", Optional[int], None, panel=SAMPLING, callback=_in_range("top_k"),
             help="-1 or 0 = off. Default: the model's, else off."),
-    _option("stop", Optional[List[str]], None, panel=SAMPLING, help="A stop string (repeat for several)."),
+    _option("stop", Optional[list[str]], None, panel=SAMPLING, help="A stop string (repeat for several)."),
     _option("ignore_eos", bool, False, panel=SAMPLING, help="Generate past EOS, up to --max-tokens."),
     _option("n", int, 1, panel=SAMPLING, callback=_in_range("n"),
             help="Samples of each prompt: n output rows (sample_index 0..n-1), the prompt computed once."),
@@ -262,7 +263,8 @@ SAMPLING_OPTIONS = (
                  "(temperature, top_p, top_k, max_new_tokens); none: from batchgen's built-ins."),
     _option("response_format", Optional[str], None, panel=SAMPLING, metavar="JSON",
             help='Constrain every row that has no constraint of its own, OpenAI\'s form: '
-                 '\'{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}\' or \'{"type": "json_object"}\'.'),
+                 '\'{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}\' '
+                 'or \'{"type": "json_object"}\'.'),
     _option("structured_outputs", Optional[str], None, panel=SAMPLING, metavar="JSON",
             help='Likewise, vLLM\'s form: one of \'{"json": {...}}\', \'{"regex": ...}\', \'{"choice": [...]}\', '
                  '\'{"grammar": EBNF}\'.'),
@@ -405,7 +407,7 @@ def _check_input(input: Path) -> None:
         raise typer.BadParameter(f"{str(input)!r}: name it *.jsonl or *.parquet", param_hint="'INPUT'")
 
 
-def _served_models(names: Optional[List[str]], model: Optional[str]) -> list[str]:
+def _served_models(names: Optional[list[str]], model: Optional[str]) -> list[str]:
     if names:
         if any(not n for n in names):
             raise typer.BadParameter("a model name cannot be empty", param_hint="'--served-model-name'")
@@ -419,8 +421,8 @@ def _token_text(model: str):
     """A token id -> its text, by the tokenizer of `model` ("default": the embedded model's)."""
     from transformers import AutoTokenizer
 
-    from batchgen.token_text import token_text_of
     from batchgen.models.resolve import resolve_model_dir
+    from batchgen.token_text import token_text_of
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None if model == "default" else model))
@@ -489,7 +491,7 @@ def run(
                                                rich_help_panel=OPENAI,
                                                help="openai: the OpenAI batch output file (JSONL); "
                                                     "auto: openai for an OUTPUT named *.jsonl, else parquet."),
-    served_model_name: Optional[List[str]] = typer.Option(None, "--served-model-name",
+    served_model_name: Optional[list[str]] = typer.Option(None, "--served-model-name",
                                                           envvar=_env("SERVED_MODEL_NAME"), rich_help_panel=OPENAI,
                                                           metavar="NAME",
                                                           help="The model name OpenAI lines may give in body.model "
@@ -619,8 +621,9 @@ def submit(
     job: str = typer.Option(..., "--job", **JOB_NAME),
     input_format: InputFormat = typer.Option(InputFormat.auto, "--input-format", envvar=_env("INPUT_FORMAT"),
                                              rich_help_panel=OPENAI,
-                                             help="openai: INPUT is an OpenAI batch file; auto: told by its first line."),
-    served_model_name: Optional[List[str]] = typer.Option(None, "--served-model-name",
+                                             help="openai: INPUT is an OpenAI batch file; "
+                                                  "auto: told by its first line."),
+    served_model_name: Optional[list[str]] = typer.Option(None, "--served-model-name",
                                                           envvar=_env("SERVED_MODEL_NAME"), rich_help_panel=OPENAI,
                                                           metavar="NAME",
                                                           help="The model names OpenAI lines may give in body.model "

@@ -9,7 +9,14 @@ from typing import Any
 
 from batchgen.models.generation_config import FIELDS
 from batchgen.schema import (
-    MAX_N, STRUCTURED_FIELDS, FieldError, StructuredSpec, as_int, check_range, check_structured, check_text,
+    MAX_N,
+    STRUCTURED_FIELDS,
+    FieldError,
+    StructuredSpec,
+    as_int,
+    check_range,
+    check_structured,
+    check_text,
 )
 
 
@@ -76,7 +83,7 @@ class SamplingParams:
         """Whether top-k or top-p masks the distribution before sampling."""
         return self.top_k > 0 or self.top_p < 1.0
 
-    def replace(self, **changes) -> "SamplingParams":
+    def replace(self, **changes) -> SamplingParams:
         if not changes.keys() <= _CARRY_CONSTRAINT:  # a constraint (or an unknown name, TypeError)
             return dataclasses.replace(self, **changes)
         # The same constraint: carry its checked spec over. Parsing it again costs ~20 us with a

@@ -4,7 +4,7 @@ same few thousand ids millions of times, ~2 us a decode)."""
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 TokenText = Callable[[int], str]
 

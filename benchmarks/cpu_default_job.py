@@ -130,7 +130,8 @@ def main():
             "hf_threads": hf["threads"], "torch": torch.__version__,
             "batchgen_dtype": o["dtype"], "batchgen_tok_s": round(o["tok_s"], 1), "batchgen_s": round(o["wall_s"], 2),
             "batchgen_tokens": o["tokens"], "hf_dtype": hf["dtype"], "hf_generate_tok_s": round(hf["tok_s"], 1),
-            "hf_generate_s": round(hf["wall_s"], 2), "hf_tokens": hf["tokens"], "ratio": round(o["tok_s"] / hf["tok_s"], 2),
+            "hf_generate_s": round(hf["wall_s"], 2), "hf_tokens": hf["tokens"],
+            "ratio": round(o["tok_s"] / hf["tok_s"], 2),
             "runs": {name: [round(r["tok_s"], 1) for r in results] for name, results in runs.items()},
             # each repeat's runs are neighbours in time, under about the same load from elsewhere
             "repeat_ratios": [round(a["tok_s"] / b["tok_s"], 2) for a, b in zip(runs[name], runs["hf"])],

@@ -37,9 +37,9 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from batchgen.kernels.decode_attention import (
     _decode_attention_launch,
-    pick_num_splits,
     decode_attention_ref,
     decode_attention_triton,
+    pick_num_splits,
 )
 from batchgen.kernels.device import num_sms
 from batchgen.kernels.prefill_attention import (
@@ -47,12 +47,13 @@ from batchgen.kernels.prefill_attention import (
     prefill_attention_ref,
     prefill_attention_triton,
 )
-from batchgen.kernels.rope_store_kv import rope_store_kv_ref, rope_store_kv_triton
-from batchgen.kernels.unified_attention import _unified_attention_launch, unified_attention_triton
 from batchgen.kernels.rmsnorm import add_rmsnorm_ref, add_rmsnorm_triton, rmsnorm_ref, rmsnorm_triton
+from batchgen.kernels.rope_store_kv import rope_store_kv_ref, rope_store_kv_triton
 from batchgen.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 from batchgen.kernels.skinny_gemm import default_tile, skinny_gemm_triton, tma_ok, tma_supported, tma_tile
-from batchgen.kernels.tile_gemm import MAX_ROWS as TILE_MAX_ROWS, pick_tile, tile_gemm_supported, tile_gemm_triton
+from batchgen.kernels.tile_gemm import MAX_ROWS as TILE_MAX_ROWS
+from batchgen.kernels.tile_gemm import pick_tile, tile_gemm_supported, tile_gemm_triton
+from batchgen.kernels.unified_attention import _unified_attention_launch, unified_attention_triton
 
 MODELS = {
     "llama-3.2-1b": dict(hidden=2048, inter=8192, q_heads=32, kv_heads=8, head_dim=64, vocab=128256),
@@ -529,7 +530,8 @@ def bench_gemm(model, cfg, copy_bw):
                 impls = {"silu+cublas": lambda: [F.linear(silu_and_mul_triton(gate_up), w) for w in ws],
                          "skinny_silu": lambda: [skinny_gemm_triton(gate_up, w, silu_mul=True, tile=plain) for w in ws]}
                 if tma_supported(gate_up.device) and tma_ok(ws[0]):
-                    impls["skinny_tma_silu"] = lambda: [skinny_gemm_triton(gate_up, w, silu_mul=True, tile=tma) for w in ws]
+                    impls["skinny_tma_silu"] = lambda: [skinny_gemm_triton(gate_up, w, silu_mul=True, tile=tma)
+                                                        for w in ws]
                 for impl, fn in impls.items():
                     emit(kind="gemm", model=model, shape="down+silu M=1", impl=impl, us=round(replay_us(fn), 2))
             del ws

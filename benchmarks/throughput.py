@@ -375,7 +375,8 @@ def run_node(model_dir: Path, requests: list[dict], temperature: float, dp: int,
                      "imbalance_s": round(max(idle) - min(idle), 3) if idle else None,
                      "replicas": [{**r, "tok_s": round(r["output_tokens"] / r["generation_seconds"], 1)
                                    if r.get("generation_seconds") else None,
-                                   "gpu_busy_pct": busy.percent(list(range(r["replica"] * tp, (r["replica"] + 1) * tp)))}
+                                   "gpu_busy_pct": busy.percent(list(range(r["replica"] * tp,
+                                                                           (r["replica"] + 1) * tp)))}
                                   for r in replicas]})
     llm.close()
     del llm
@@ -472,7 +473,8 @@ def main(argv=None):
                              "startup_ratio_vs_process": round(many["startup_s"] / one_process, 3)})
                 line.update({"dp": args.data_parallel_size, "batchgen_tok_s": round(many["tok_s"], 1),
                              "runs_tok_s": many["runs_tok_s"], "dp1_tok_s": round(one["tok_s"], 1),
-                             "dp1_runs_tok_s": one["runs_tok_s"], "ratio_vs_dp1": round(many["tok_s"] / one["tok_s"], 3),
+                             "dp1_runs_tok_s": one["runs_tok_s"],
+                             "ratio_vs_dp1": round(many["tok_s"] / one["tok_s"], 3),
                              "startup_s": round(many["startup_s"], 2), "dp1_startup_s": round(one["startup_s"], 2),
                              "startup_ratio": round(many["startup_s"] / one["startup_s"], 3),
                              "imbalance_s": many["imbalance_s"], "replicas": many["replicas"],

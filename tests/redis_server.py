@@ -34,7 +34,7 @@ class RedisServer:
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         """Starts the server; a restart keeps the port (clients keep their URL)."""
         restart = self.port is not None
         for _attempt in range(5):  # another process may take a free port before redis binds it

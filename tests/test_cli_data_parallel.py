@@ -12,7 +12,16 @@ import time
 import pytest
 
 from tests.test_cli_run import (
-    JOB_OPTIONS, JOB_ROWS, REPO, batchgen, command, environment, read, texts, wait_for_parts, write_jsonl,
+    JOB_OPTIONS,
+    JOB_ROWS,
+    REPO,
+    batchgen,
+    command,
+    environment,
+    read,
+    texts,
+    wait_for_parts,
+    write_jsonl,
 )
 
 pytestmark = pytest.mark.slow
@@ -136,7 +145,8 @@ def test_a_worker_with_two_replicas_serves_the_queue(tmp_path_factory, tmp_path,
     import pyarrow.parquet as pq
 
     from tests.redis_server import start_server
-    from tests.test_worker import OPTIONS, ROWS, WorkerProcess, submit_and_collect, texts as queue_texts
+    from tests.test_worker import OPTIONS, ROWS, WorkerProcess, submit_and_collect
+    from tests.test_worker import texts as queue_texts
 
     src = write_jsonl(tmp_path / "job.jsonl", ROWS)
     done = subprocess.run(command("run", src, tmp_path / "run.parquet", *OPTIONS), capture_output=True,

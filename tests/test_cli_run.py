@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 # The job the interruption and sharding tests share: every row runs to exactly 16 tokens, two at a time,
 # each finished row saved at once, so that a signal lands while some rows are saved and others are not.
-JOB_ROWS = [{"id": f"row{i}", "prompt": f"Write a short note number {i} about the weather in spring."} for i in range(10)]
+JOB_ROWS = [{"id": f"row{i}", "prompt": f"Write a short note number {i} about the weather in spring."}
+            for i in range(10)]
 # fp32: these tests compare greedy texts of runs that batch rows differently (resumed, sharded); in
 # bf16 (the CPU default where it is native) a different batch can round a near-tie the other way.
 JOB_OPTIONS = [
@@ -32,7 +33,8 @@ JOB_OPTIONS = [
 
 
 def batchgen(*args, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(command(*args), capture_output=True, text=True, timeout=timeout, env=environment(env), cwd=REPO)
+    return subprocess.run(command(*args), capture_output=True, text=True, timeout=timeout, env=environment(env),
+                          cwd=REPO)
 
 
 def command(*args) -> list[str]:

@@ -54,7 +54,8 @@ def test_bad_options_are_one_line_usage_errors(batchgen, tmp_path, args, env, fr
     assert list(tmp_path.iterdir()) == []  # nothing written: no output, no work directory
 
 
-@pytest.mark.parametrize("name, fragment", [("missing.jsonl", "is not a file"), ("prompts.csv", "*.jsonl or *.parquet")])
+@pytest.mark.parametrize("name, fragment", [("missing.jsonl", "is not a file"),
+                                            ("prompts.csv", "*.jsonl or *.parquet")])
 def test_bad_inputs_are_usage_errors(batchgen, tmp_path, name, fragment):
     if name.endswith(".csv"):
         (tmp_path / name).write_text("prompt\nhi\n")

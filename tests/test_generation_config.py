@@ -13,7 +13,8 @@ from batchgen import LLM, SamplingParams
 from batchgen.models import default_model
 from batchgen.models.generation_config import GENERATION_CONFIG, read_sampling_defaults
 from batchgen.sampling_params import resolve_defaults
-from tests.test_cli_run import read as read_output, write_jsonl
+from tests.test_cli_run import read as read_output
+from tests.test_cli_run import write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +62,8 @@ def test_a_bad_file_is_one_line_naming_it_and_the_field(tmp_path, text, fragment
 def test_an_option_beats_the_model_which_beats_the_built_in():
     given = {"max_tokens": None, "temperature": 0.0, "top_p": None, "top_k": None, "stop": ["\n"]}
     params, sources = resolve_defaults(given, {"temperature": 0.7, "top_p": 0.8, "max_tokens": 32})
-    assert (params.temperature, params.top_p, params.max_tokens, params.top_k, params.stop) == (0.0, 0.8, 32, -1, ["\n"])
+    assert ((params.temperature, params.top_p, params.max_tokens, params.top_k, params.stop)
+            == (0.0, 0.8, 32, -1, ["\n"]))
     assert sources == {"max_tokens": "generation_config", "temperature": "option", "top_p": "generation_config",
                        "top_k": "built-in", "stop": "option"}
     params, sources = resolve_defaults({}, {})

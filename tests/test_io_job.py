@@ -64,7 +64,8 @@ class StandInLLM:
     def _answer(request: dict) -> dict:
         prompt = request.get("prompt") or json.dumps(request.get("messages") or request.get("prompt_token_ids"))
         text = prompt[::-1][: request.get("max_tokens", 8)]
-        carried = {k: v for k, v in request.items() if k not in ("prompt", "messages", "prompt_token_ids", *SAMPLING_FIELDS)}
+        carried = {k: v for k, v in request.items()
+                   if k not in ("prompt", "messages", "prompt_token_ids", *SAMPLING_FIELDS)}
         return {
             **carried, "text": text, "output_token_ids": [ord(c) % 50 for c in text], "finish_reason": "length",
             "error": None, "prompt_tokens": len(prompt), "completion_tokens": len(text), "cached_prompt_tokens": 0,
@@ -221,7 +222,8 @@ def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path):
     expected = [
         "not JSON", "not a JSON object (got an array)", "not valid UTF-8", "no prompt",
         "more than one prompt field (prompt, messages)", "prompt must be a string, got int", "prompt is empty",
-        "id 'ok' already seen", "max_tokens must be an integer, got str", "id must be a string or an integer, got float",
+        "id 'ok' already seen", "max_tokens must be an integer, got str",
+        "id must be a string or an integer, got float",
         "messages[0].content must be a string", "prompt_token_ids[1] must be an integer", "reserved for the output",
     ]
     for fragment in expected:

@@ -13,9 +13,9 @@ from batchgen.io.sinks import Layout, PartWriter, list_parts, merge_parts
 
 def ok_row(index, **extra):
     return {"id": f"r{index}", **extra, "sample_index": 0, "text": f"t{index}", "output_token_ids": [1, 2],
-            "finish_reason": "stop", "error": None, "prompt_tokens": 3, "completion_tokens": 2, "cached_prompt_tokens": 0,
-            "num_preemptions": 0, "queue_s": 0.0, "ttft_s": 0.1 * index, "prefill_s": 0.1, "decode_s": 0.2,
-            "e2e_s": 1.0 + index, "decode_tokens_per_s": 5.0, ROW_KEY: index}
+            "finish_reason": "stop", "error": None, "prompt_tokens": 3, "completion_tokens": 2,
+            "cached_prompt_tokens": 0, "num_preemptions": 0, "queue_s": 0.0, "ttft_s": 0.1 * index, "prefill_s": 0.1,
+            "decode_s": 0.2, "e2e_s": 1.0 + index, "decode_tokens_per_s": 5.0, ROW_KEY: index}
 
 
 def test_part_writer_flushes_by_rows_and_leaves_no_temp_files(tmp_path):

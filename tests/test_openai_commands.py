@@ -14,6 +14,7 @@ from tests.openai_types import line, read_lines, validate_line
 from tests.redis_server import prefix, redis_server  # noqa: F401
 from tests.test_queue import Running, StandInLLM, client, keys, results, wait_for, write_jsonl  # noqa: F401
 
+
 def test_submit_an_openai_file_and_collect_the_openai_output(tmp_path, client, keys):  # noqa: F811
     lines = [
         line("a", COMPLETIONS_URL, prompt="abc", max_tokens=3, model="served"),

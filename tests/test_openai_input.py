@@ -7,7 +7,11 @@ import json
 import pytest
 
 from batchgen.io.openai_input import (
-    CHAT_URL, COMPLETIONS_URL, OpenAIRowChecker, detect_jsonl_format, resolve_input_format,
+    CHAT_URL,
+    COMPLETIONS_URL,
+    OpenAIRowChecker,
+    detect_jsonl_format,
+    resolve_input_format,
 )
 from batchgen.io.rows import ROW_KEY, InputRow
 from batchgen.io.sources import open_source

@@ -175,7 +175,8 @@ def test_n_samples_top_logprobs_and_a_json_schema(tmp_path):
     assert n3.usage.prompt_tokens == bodies["top"].usage.prompt_tokens  # the prompt counted once
     for token in bodies["top"].choices[0].logprobs.content:  # greedy: the sampled token is the top one
         assert 1 <= len(token.top_logprobs) <= 3
-        assert (token.token, token.logprob) == (token.top_logprobs[0].token, pytest.approx(token.top_logprobs[0].logprob))
+        assert (token.token, token.logprob) == (token.top_logprobs[0].token,
+                                                pytest.approx(token.top_logprobs[0].logprob))
     top_text = bodies["top-text"].choices[0].logprobs
     assert all(len(alternatives) <= 2 for alternatives in top_text.top_logprobs)
     assert "city" in json.loads(bodies["json"].choices[0].message.content)

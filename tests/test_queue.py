@@ -23,11 +23,11 @@ import pytest
 import redis
 
 from batchgen.io.rows import ROW_KEY
-from batchgen.schema import SAMPLING_FIELDS
 from batchgen.queue import Keys, Worker, WorkerConfig, collect_job, connect, redact, submit_job
 from batchgen.queue.metrics import WorkerMetrics
 from batchgen.queue.protocol import GROUP, ensure_group
 from batchgen.queue.submit import SubmitError
+from batchgen.schema import SAMPLING_FIELDS
 from tests.redis_server import PASSWORD, USER, RedisServer, prefix, redis_server  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")

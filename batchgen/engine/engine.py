@@ -23,9 +23,9 @@ from batchgen.engine.tokenizer_pool import OrderedWorker
 from batchgen.executor.model_runner import ModelRunner
 from batchgen.executor.sampling import StepOutput
 from batchgen.executor.tp_workers import TPWorkers, tp_device
-from batchgen.parallel.tensor_parallel import SINGLE
 from batchgen.models.model_config import load_model_config
 from batchgen.models.resolve import resolve_model_dir
+from batchgen.parallel.tensor_parallel import SINGLE
 from batchgen.sampling_params import SamplingParams
 from batchgen.schema import SAMPLES_KEY
 from batchgen.token_text import token_text_of

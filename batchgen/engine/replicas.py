@@ -3,9 +3,9 @@ parallel group of GPUs), fed from one reader and collected into one stream of re
 
 Rows go to replicas as each has room (a replica holds at most as many rows as one engine looks ahead
 at), each to the replica with the least work outstanding (its rows' prompt and output tokens, as far as
-they are known before tokenizing), so that the replicas finish together and a faster one takes more. Rows that look alike at the start (a
-shared system prompt, a shared prefix) go to the replica that had that prefix before, where it has room,
-so its prefix cache still pays. A row's n samples stay together.
+they are known before tokenizing), so that the replicas finish together and a faster one takes more.
+Rows that look alike at the start (a shared system prompt, a shared prefix) go to the replica that had
+that prefix before, where it has room, so its prefix cache still pays. A row's n samples stay together.
 
 A replica that dies (a CUDA error, out of memory, SIGKILL) loses no rows: the samples it had not
 returned go to the others. A row that was on two replicas that died becomes an error row. When every
@@ -38,7 +38,13 @@ from batchgen.engine.finish import error_row
 from batchgen.executor.cpu_threads import usable_cores
 from batchgen.executor.memory import resolve_device
 from batchgen.executor.processes import (
-    EXIT_FAILED, EXIT_PARENT_GONE, EXIT_STOPPED, ChildGroup, exit_now, report_failure, watch_parent,
+    EXIT_FAILED,
+    EXIT_PARENT_GONE,
+    EXIT_STOPPED,
+    ChildGroup,
+    exit_now,
+    report_failure,
+    watch_parent,
 )
 from batchgen.models.model_config import load_model_config
 from batchgen.models.resolve import resolve_model_dir

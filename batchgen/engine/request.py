@@ -3,10 +3,10 @@ any thread may do it, batches of rows at a time), then the Sequence state the sc
 work on (built on the engine thread)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from array import array
-import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -15,8 +15,13 @@ from jinja2 import TemplateError
 
 from batchgen.sampling_params import SamplingParams, derive_seed, sample_seed
 from batchgen.schema import (
-    KNOWN_FIELDS, LOGPROB_OPTIONS, SAMPLING_FIELDS, STRUCTURED_FIELDS, FieldError,
-    check_options_and_constraint, check_prompt,
+    KNOWN_FIELDS,
+    LOGPROB_OPTIONS,
+    SAMPLING_FIELDS,
+    STRUCTURED_FIELDS,
+    FieldError,
+    check_options_and_constraint,
+    check_prompt,
 )
 
 
@@ -295,7 +300,8 @@ def make_samples(prepared: PreparedRequest, eos_ids: list[int], indices: list[in
     params = prepared.params
     samples = []
     for i in range(params.n) if indices is None else sorted({i for i in indices if 0 <= i < params.n}):
-        own = prepared if i == 0 else dataclasses.replace(prepared, params=params.replace(seed=sample_seed(params.seed, i)))
+        own = (prepared if i == 0
+               else dataclasses.replace(prepared, params=params.replace(seed=sample_seed(params.seed, i))))
         sample = build_sequence(own, eos_ids)
         sample.sample_index = i
         samples.append(sample)

@@ -23,10 +23,9 @@ import torch
 
 from batchgen.executor.kv_cache import KVCache
 from batchgen.executor.step_inputs import FIELDS, HEADER, SCALARS
-from batchgen.layers.forward_batch import ForwardBatch
 from batchgen.kernels.longest_first import is_ordered, longest_first
 from batchgen.kernels.unpack_decode import unpack_decode
-
+from batchgen.layers.forward_batch import ForwardBatch
 
 # From this many rows a decode step's products are bound by compute, not by reading the weights
 # (llama-3.2-1b on an H200: ~166 rows), so the rows a graph pads a batch with cost time: the ladder

@@ -19,11 +19,11 @@ from batchgen.executor.sampling import Sampler
 from batchgen.executor.staging import Staging
 from batchgen.executor.step_inputs import HEADER, StepInputs
 from batchgen.executor.warmup import warm_up
-from batchgen.layers.forward_batch import ForwardBatch
-from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 from batchgen.kernels.longest_first import is_ordered, longest_first
+from batchgen.layers.forward_batch import ForwardBatch
 from batchgen.models.loader import build_model
 from batchgen.models.model_config import ModelConfig
+from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 
 log = logging.getLogger("batchgen")
 

@@ -156,7 +156,8 @@ def tune_products(runner) -> None:
     if not sizes or not tg.tile_gemm_supported(dev) or sizes[0] > kv.req_to_token.shape[1]:
         return
     with torch.inference_mode():
-        with tg.recording_products() as products:  # one prompt chunk of sizes[0] tokens: every product at that many rows
+        # one prompt chunk of sizes[0] tokens: every product at that many rows
+        with tg.recording_products() as products:
             fb = synthetic_batch(kv, dev, [], [(sizes[0], sizes[0])])
             fb.record_slots()
             runner.model(fb)

@@ -20,7 +20,6 @@ from batchgen.executor.staging import Staging
 from batchgen.kernels.gumbel_argmax import gumbel_argmax, gumbel_max, temperature_scaled
 from batchgen.kernels.token_bitmask import apply_token_bitmask
 
-
 TOP_RANKS_FIRST = 64  # ranks the CPU path looks at; a row they do not settle is sorted whole
 
 

@@ -18,14 +18,20 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from batchgen.config import EngineConfig
 from batchgen.executor.processes import (
-    EXIT_FAILED, EXIT_PARENT_GONE, EXIT_STOPPED, ChildGroup, exit_now, report_failure, watch_parent,
+    EXIT_FAILED,
+    EXIT_PARENT_GONE,
+    EXIT_STOPPED,
+    ChildGroup,
+    exit_now,
+    report_failure,
+    watch_parent,
 )
 from batchgen.executor.step_inputs import StepInputs
 from batchgen.parallel.tensor_parallel import TensorParallel, connect

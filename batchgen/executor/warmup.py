@@ -16,12 +16,12 @@ import torch
 import triton
 
 from batchgen.executor.kv_cache import KVCache
-from batchgen.layers.forward_batch import ForwardBatch
+from batchgen.executor.sampling import SamplingBatch, sample
 from batchgen.kernels.decode_attention import dense_tile_batch_sizes
 from batchgen.kernels.device import num_sms
 from batchgen.kernels.gumbel_argmax import gumbel_max
 from batchgen.kernels.token_bitmask import apply_token_bitmask
-from batchgen.executor.sampling import SamplingBatch, sample
+from batchgen.layers.forward_batch import ForwardBatch
 
 log = logging.getLogger("batchgen")
 

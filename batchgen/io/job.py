@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,8 +23,7 @@ from batchgen.io.openai_input import CHAT_URL, COMPLETIONS_URL, make_checker, re
 from batchgen.io.resume import JobError, WorkDir, describe_difference, input_identity, output_fingerprint, same_job
 from batchgen.io.rows import ROW_KEY, ROW_SAMPLES_KEY
 from batchgen.io.shard import Shard
-from batchgen.io.sinks import (Layout, OutputWriteError, PartWriter, Totals, list_parts, merge_parts,
-                               prefix_cache_totals)
+from batchgen.io.sinks import Layout, OutputWriteError, PartWriter, Totals, list_parts, merge_parts, prefix_cache_totals
 from batchgen.io.sources import InputError, open_source
 from batchgen.sampling_params import samples_of
 from batchgen.schema import SAMPLES_KEY

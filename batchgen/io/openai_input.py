@@ -13,13 +13,20 @@ field makes the line an error row naming it, so no setting is ever dropped silen
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from batchgen.io.rows import IdSet, InputRow, RowChecker, checked_request, error_row
 from batchgen.io.sources import JSONL_SUFFIXES, JsonlSource
 from batchgen.schema import (
-    MAX_TOP_LOGPROBS, FieldError, PROMPT_FIELDS, as_int, check_text, message_text, type_name,
+    MAX_TOP_LOGPROBS,
+    PROMPT_FIELDS,
+    FieldError,
+    as_int,
+    check_text,
+    message_text,
+    type_name,
 )
 from batchgen.unicode_text import lone_surrogate
 
@@ -188,7 +195,8 @@ class OpenAILineMapper:
             row["max_tokens"] = next(iter(max_tokens.values()))
 
         n = as_int("body.n", body["n"]) if body.get("n") is not None else None
-        if url == COMPLETIONS_URL and body.get("best_of") is not None and as_int("body.best_of", body["best_of"]) != (n or 1):
+        if (url == COMPLETIONS_URL and body.get("best_of") is not None
+                and as_int("body.best_of", body["best_of"]) != (n or 1)):
             raise FieldError("body.best_of must equal n (batchgen returns every sample)")
         if n is not None and n < 1:
             raise FieldError(f"body.n must be >= 1, got {n}")

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from contextlib import nullcontext
 import math
 import os
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -37,8 +38,16 @@ import pyarrow.parquet as pq
 
 from batchgen.io.openai_input import COMPLETIONS_URL
 from batchgen.io.rows import ROW_KEY
-from batchgen.io.sinks import (Totals, first_copies, fsync_dir, list_parts, per_input_row, write_atomically,
-                               write_error, writing)
+from batchgen.io.sinks import (
+    Totals,
+    first_copies,
+    fsync_dir,
+    list_parts,
+    per_input_row,
+    write_atomically,
+    write_error,
+    writing,
+)
 from batchgen.token_text import TokenText
 
 SAMPLE_KEY = "sample_index"  # the n samples of one line (absent: one sample, index 0)

@@ -22,10 +22,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchgen.schema import (
-    KNOWN_FIELDS, FieldError, check_options, check_prompt, check_range, check_text, error_result, type_name,
+    KNOWN_FIELDS,
+    FieldError,
+    check_options,
+    check_prompt,
+    check_range,
+    check_text,
+    error_result,
+    type_name,
 )
 from batchgen.unicode_text import lone_surrogate
-
 
 # Columns every output row has, in file order after `id` and the carried-through columns.
 OUTPUT_FIELDS = (

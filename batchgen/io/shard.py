@@ -21,7 +21,7 @@ class Shard:
             raise ValueError(f"shard {self.index}/{self.count}: need 0 <= I < N")
 
     @classmethod
-    def parse(cls, text: str | None) -> "Shard":
+    def parse(cls, text: str | None) -> Shard:
         """'I/N' -> Shard(I, N); None or '' -> the whole input."""
         if not text:
             return cls()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,7 +19,7 @@ class InputError(Exception):
     """The input file as a whole cannot be used (missing, unreadable, wrong format)."""
 
 
-def open_source(path: str | Path) -> "JsonlSource | ParquetSource":
+def open_source(path: str | Path) -> JsonlSource | ParquetSource:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"input file {str(path)!r} does not exist")

@@ -12,14 +12,14 @@ arrays (rows, lengths, positions, slots, a sampler's seeds), views at any offset
 staged inputs (`rows[num_decode:]`, the seeds after the top-k values), are
 `do_not_specialize_on_alignment`: their loads are per row, where alignment buys nothing.
 """
-from batchgen.kernels.rmsnorm import add_rmsnorm, rmsnorm
-from batchgen.kernels.silu_and_mul import silu_and_mul
-from batchgen.kernels.rope_store_kv import rope_store_kv
-from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.decode_attention import decode_attention
-from batchgen.kernels.unified_attention import unified_attention
 from batchgen.kernels.gumbel_argmax import gumbel_argmax
+from batchgen.kernels.prefill_attention import prefill_attention
+from batchgen.kernels.rmsnorm import add_rmsnorm, rmsnorm
+from batchgen.kernels.rope_store_kv import rope_store_kv
+from batchgen.kernels.silu_and_mul import silu_and_mul
 from batchgen.kernels.token_bitmask import apply_token_bitmask
+from batchgen.kernels.unified_attention import unified_attention
 
 __all__ = [
     "rmsnorm",

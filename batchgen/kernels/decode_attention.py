@@ -20,10 +20,14 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.device import (
-    let_next_kernel_start, num_sms, pdl_launch_args, wait_for_prior_kernels, wait_only_for_prior_kernels,
+    let_next_kernel_start,
+    num_sms,
+    pdl_launch_args,
+    wait_for_prior_kernels,
+    wait_only_for_prior_kernels,
 )
-from batchgen.kernels.longest_first import longest_first
 from batchgen.kernels.kv_dtype import query_for_kv_dot
+from batchgen.kernels.longest_first import longest_first
 
 
 # num_splits follows the batch and its lengths, index arrays are views: neither specialized (kernels/__init__.py)

@@ -140,7 +140,8 @@ def _best_group_parts_kernel(
         mass = tl.sum(tl.exp2(y - top_finite[:, :, None]), axis=2)
         log2_mass = tl.where(mass > 0, top_finite + tl.log2(tl.where(mass > 0, mass, 1.0)), float("-inf"))
         group = block * GROUPS + tl.arange(0, GROUPS)
-        bits = _noise_bits(key, (group.to(tl.uint32) + salted_offset)[None, :])  # (a group's id hashed once for its rows)
+        # (a group's id hashed once for its rows)
+        bits = _noise_bits(key, (group.to(tl.uint32) + salted_offset)[None, :])
         score = tl.where(noisy, log2_mass * _LN2 + _gumbel_noise(bits), top)
         better = score > best_val  # strict: a lane keeps its first maximum
         best_idx = tl.where(better, group[None, :], best_idx)

@@ -124,7 +124,8 @@ def candidate_tiles(m: int, n_out: int, k: int, silu_mul_out: bool, sms: int = 1
     products K in the most parts (4, 2) that keep the grid within one program an SM; up to 192 rows
     also pick_tile's 64-row tile, two or three M tiles."""
     # (BM, BN, BK, stages, warps)
-    shapes = [(128, 128, 64, 4, 8), (128, 64, 128, 3, 8)] if silu_mul_out else [(128, 128, 128, 3, 8), (128, 64, 128, 3, 8)]
+    shapes = ([(128, 128, 64, 4, 8), (128, 64, 128, 3, 8)] if silu_mul_out
+              else [(128, 128, 128, 3, 8), (128, 64, 128, 3, 8)])
     if m <= 192:
         shapes.append((64, 64, 128, 3 if silu_mul_out else 5, 4))
     tiles = []

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
-from batchgen.kernels.prefill_attention import attend_keys
 from batchgen.kernels.kv_dtype import query_for_kv_dot
+from batchgen.kernels.prefill_attention import attend_keys
 
 
 @triton.jit

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.layers.forward_batch import ForwardBatch
 from batchgen.kernels import decode_attention, prefill_attention, rope_store_kv, unified_attention
 from batchgen.kernels.rope_decode_attention import rope_decode_attention
+from batchgen.layers.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 from batchgen.kernels.gumbel_argmax import GROUP
 from batchgen.layers.packed_linear import PackableWeight, stream_product, streams_weight
+from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 
 
 def vocab_rows_per_rank(vocab_size: int, tp_size: int) -> int:

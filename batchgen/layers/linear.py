@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 from batchgen.kernels.rmsnorm import add_rmsnorm_parts
 from batchgen.layers.packed_linear import PackableWeight
+from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 
 
 def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -138,7 +138,8 @@ class DeferredSum:
         """The sum itself [T, out] (fp32) where it is in one part on this GPU, else None."""
         return None
 
-    def add_rmsnorm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rmsnorm(self, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(sum + residual) * weight, sum + residual)."""
         raise NotImplementedError
 

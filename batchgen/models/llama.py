@@ -15,16 +15,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.layers.forward_batch import ForwardBatch
-from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 from batchgen.layers.attention import Attention
 from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from batchgen.layers.forward_batch import ForwardBatch
 from batchgen.layers.layernorm import RMSNorm, normed_product
 from batchgen.layers.linear import DeferredSum, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from batchgen.layers.one_row_mlp import OneRowMLP, one_row_mlps
 from batchgen.layers.packed_linear import PackableWeight
 from batchgen.layers.rotary import RotaryEmbedding
 from batchgen.models.model_config import ModelConfig
+from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 
 
 class LlamaAttention(nn.Module):

@@ -9,10 +9,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 from batchgen.kernels.device import use_pdl
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.model_config import ModelConfig
+from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 
 SKIPPED_WEIGHTS = ("rotary_emb.inv_freq",)
 

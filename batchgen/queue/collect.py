@@ -3,8 +3,9 @@
 Reads the result stream from its start (XREAD, no consumer group: collecting never changes what
 workers see, and can be repeated), keeps the first result of each row (of each sample of a row of n
 samples), and when every row of the job has them, writes the file through the Parquet sink (part
-files in a temporary directory beside OUTPUT, merged and renamed into place). A row can be answered twice (by a worker that wrote its result just
-before a restart lost the acknowledgement); the second answer is counted and dropped.
+files in a temporary directory beside OUTPUT, merged and renamed into place). A row can be answered
+twice (by a worker that wrote its result just before a restart lost the acknowledgement); the second
+answer is counted and dropped.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import json
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa

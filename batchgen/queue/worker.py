@@ -25,20 +25,34 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import redis
 
 from batchgen.io.rows import RowError, check_columns_text
 from batchgen.queue.metrics import WorkerMetrics
+from batchgen.queue.protocol import (
+    DELETE_IDLE_CONSUMER,
+    FATAL,
+    FINISH,
+    GROUP,
+    TOUCH,
+    Backoff,
+    Keys,
+    Message,
+    decode_request,
+    encode_dead_letter,
+    encode_result,
+    ensure_group,
+    request_id_of,
+    text,
+    to_json,
+)
 from batchgen.sampling_params import samples_of
 from batchgen.schema import KNOWN_FIELDS, error_result
 from batchgen.unicode_text import writable
-from batchgen.queue.protocol import (
-    DELETE_IDLE_CONSUMER, FATAL, FINISH, GROUP, TOUCH, Backoff, Keys, Message, decode_request, encode_dead_letter,
-    encode_result, ensure_group, request_id_of, text, to_json,
-)
 
 log = logging.getLogger("batchgen.worker")
 

@@ -8,7 +8,12 @@ import torch
 
 from batchgen import LLM, EngineConfig, SamplingParams
 from batchgen.executor.cpu_threads import (
-    CpuSample, CpuThreads, cores_busy_elsewhere, parse_proc_stat, threads_for, usable_cores,
+    CpuSample,
+    CpuThreads,
+    cores_busy_elsewhere,
+    parse_proc_stat,
+    threads_for,
+    usable_cores,
 )
 
 ROWS = [{"id": i, "prompt": "the quick brown fox " * 4} for i in range(8)]
@@ -50,7 +55,8 @@ def test_cpu_threads_from_the_environment_and_checked(monkeypatch):
     assert EngineConfig().cpu_threads is None
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("BATCHGEN_CPU_THREADS", bad)
-        with pytest.raises(ValueError, match=f"invalid BATCHGEN_CPU_THREADS: '{bad}'; give a number of threads >= 1, or auto"):
+        with pytest.raises(ValueError,
+                           match=f"invalid BATCHGEN_CPU_THREADS: '{bad}'; give a number of threads >= 1, or auto"):
             EngineConfig()
     monkeypatch.delenv("BATCHGEN_CPU_THREADS")
     with pytest.raises(ValueError, match="invalid --cpu-threads: 0"):

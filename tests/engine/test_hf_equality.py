@@ -31,8 +31,8 @@ def hf_reference(tiny_model):
             for p in prompts():
                 ids = torch.tensor([p])
                 out = model.generate(
-                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
-                    return_dict_in_generate=True, pad_token_id=0,
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                    output_logits=True, return_dict_in_generate=True, pad_token_id=0,
                 )
                 tokens = out.sequences[0, len(p):].tolist()
                 margins = [float(l[0].topk(2).values[0] - l[0].topk(2).values[1]) for l in out.logits]

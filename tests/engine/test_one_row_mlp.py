@@ -4,9 +4,9 @@ next step's), three passes, so that each layer's sum is zeroed by the layer befo
 import pytest
 import torch
 
+import batchgen.layers.one_row_mlp as one_row_mlp
 from batchgen.layers.layernorm import RMSNorm, normed_product
 from batchgen.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear, SplitParts
-import batchgen.layers.one_row_mlp as one_row_mlp
 from batchgen.layers.one_row_mlp import OneRowMLP, linked_one_row_mlps, one_row_mlps
 from batchgen.models.llama import LlamaMLP
 

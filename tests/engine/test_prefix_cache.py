@@ -3,8 +3,6 @@
 import random
 from array import array
 
-import torch
-
 from batchgen.engine.kv_slots import KVSlots
 from batchgen.engine.prefix_cache import PrefixCache
 from batchgen.engine.request import Sequence

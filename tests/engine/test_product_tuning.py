@@ -45,7 +45,8 @@ def test_candidate_tiles():
                                                          (64, 64, 128, 5, 4, 2)]
     assert tg.candidate_tiles(96, 8192, 2048, True)[-1] == (64, 64, 128, 3, 4, 1)
     assert tg.candidate_tiles(256, 8192, 2048, True) == [(128, 128, 64, 4, 8, 1), (128, 64, 128, 3, 8, 1)]
-    assert tg.candidate_tiles(256, 896, 4864, False) == [(128, 128, 128, 3, 8, 2), (128, 64, 128, 3, 8, 2)]  # (4864 = 38 BK)
+    # (4864 = 38 BK)
+    assert tg.candidate_tiles(256, 896, 4864, False) == [(128, 128, 128, 3, 8, 2), (128, 64, 128, 3, 8, 2)]
     assert tg.candidate_tiles(100, 64, 2040, False) == []  # K not whole BK steps
     for m, n, k, silu in [(80, 2048, 8192, False), (256, 8192, 2048, True), (144, 896, 896, False)]:
         for bm, bn, bk, stages, _, split in tg.candidate_tiles(m, n, k, silu):
@@ -166,7 +167,8 @@ def test_timing_weights_pass_the_l2():
 
 def test_kept_values():
     assert tuning.is_choice(None) and tuning.is_choice([128, 64, 128, 3, 8, 4])
-    assert not any(tuning.is_choice(v) for v in ("", [128, 64, 128, 3, 8], [128, 64, 128, 3, 8, 0.5], [1] * 5 + [True], {}))
+    assert not any(tuning.is_choice(v)
+                   for v in ("", [128, 64, 128, 3, 8], [128, 64, 128, 3, 8, 0.5], [1] * 5 + [True], {}))
 
 
 def test_unreadable_or_unwritable_choices(tmp_path, caplog):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.kernels.gumbel_argmax import _row_keys, _uniform_at
 from batchgen.executor.sampling import SamplingBatch, mask_top_k_top_p, sample
+from batchgen.kernels.gumbel_argmax import _row_keys, _uniform_at
 
 
 def sampling_batch(n, temperature=1.0, top_k=None, top_p=1.0, seeds=None, vocab=50):
@@ -256,7 +256,8 @@ def test_cpu_top_k_top_p_edges():
 def test_log_normaliser_without_subnormals_matches_torch():
     from batchgen.executor.sampling import _log_normaliser
 
-    x = torch.randn(5, 4000, generator=torch.Generator().manual_seed(3)) * torch.tensor([1.0, 30, 300, 3000, 1])[:, None]
+    x = (torch.randn(5, 4000, generator=torch.Generator().manual_seed(3))
+         * torch.tensor([1.0, 30, 300, 3000, 1])[:, None])
     x[1, ::2] = float("-inf")  # masked entries
     x[4] = float("-inf")  # a row masked entirely
     top, log_sum = _log_normaliser(x)

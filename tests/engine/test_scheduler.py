@@ -1,5 +1,4 @@
 """KV pool and scheduler on their own: budgets, preemption order, no leaked slot."""
-import torch
 
 from batchgen.engine.kv_slots import KVSlots
 from batchgen.engine.request import Sequence

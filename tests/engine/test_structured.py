@@ -65,7 +65,8 @@ BAD_SPECS = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
      "response_format.json_schema.schema: invalid"),
     ({"response_format": {"type": "xml"}}, "response_format.type must be text, json_object or json_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema is missing"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema is missing"),
     ({"response_format": "{not json"}, "response_format is not valid JSON"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of json, regex, choice, grammar"),
     ({"structured_outputs": {"regexp": "a"}}, "structured_outputs has unknown key 'regexp'"),
@@ -91,7 +92,8 @@ def test_bad_specs_become_error_rows_and_the_others_go_on(llm):
 
 def test_text_response_format_is_unconstrained():
     assert check_structured({"response_format": {"type": "text"}}) is None
-    assert check_structured({"response_format": '{"type": "json_object"}'}) == StructuredSpec("json", "", "response_format")
+    assert (check_structured({"response_format": '{"type": "json_object"}'})
+            == StructuredSpec("json", "", "response_format"))
     # a schema given as an object or as its JSON text is one spec (compiled once)
     a = check_structured({"structured_outputs": {"json": {"a": {"type": "string"}, "b": 1}}})
     b = check_structured({"structured_outputs": '{"json": "{\\"a\\": {\\"type\\": \\"string\\"}, \\"b\\": 1}"}'})

@@ -6,6 +6,7 @@ import re
 import pytest
 
 from batchgen import LLM, SamplingParams
+
 # as tests/engine/test_default_model.py: a GPU machine with only a copy of the tree lacks the wheel
 from tests.engine.test_default_model import pytestmark  # noqa: F401
 

@@ -275,8 +275,8 @@ def test_layers_hand_partial_sums_to_the_norm_after_each_product(tiny_model, mon
     the final one) sums them. Routed here on one CPU rank through the kernel's reference: the same
     prompt logprobs as the plain path (every position's final norm and LM head), and every o and down
     product went that way."""
-    from batchgen.parallel.tensor_parallel import TensorParallel
     from batchgen.kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm_ref
+    from batchgen.parallel.tensor_parallel import TensorParallel
 
     model_dir = tiny_model("llama")
     rows = [{"prompt_token_ids": p, "prompt_logprobs": True} for p in prompts() if len(p) > 1]

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from batchgen.parallel.tensor_parallel import connect
 from batchgen.kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm_ref
 from batchgen.kernels.rmsnorm import add_rmsnorm_triton
+from batchgen.parallel.tensor_parallel import connect
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 

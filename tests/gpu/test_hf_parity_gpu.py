@@ -59,7 +59,8 @@ def test_matches_hf_on_gpu(name, tma_min_weight, tmp_path, monkeypatch):
 
     one_row_launches = []  # llama-3.2-1b's one-row MLPs run in one launch (layers/one_row_mlp.py)
     one_row = one_row_mlp.OneRowMLP.__call__  # (whichever kernel it launches: Triton's or the Gluon one)
-    monkeypatch.setattr(one_row_mlp.OneRowMLP, "__call__", lambda self, *a: one_row_launches.append(1) or one_row(self, *a))
+    monkeypatch.setattr(one_row_mlp.OneRowMLP, "__call__",
+                        lambda self, *a: one_row_launches.append(1) or one_row(self, *a))
     tma_launches = []
     if tma_min_weight is not None:
         monkeypatch.setattr(skinny, "TMA_MIN_WEIGHT", tma_min_weight)
@@ -112,7 +113,7 @@ def test_matches_hf_on_gpu(name, tma_min_weight, tmp_path, monkeypatch):
 
     report["equal_prefix_alone"] = equal_prefix(alone["output_token_ids"], *references[1][:2])
     vs_hf, ours_vs_fp32, hf_vs_fp32 = [], [], []
-    for result, (tokens, margins, full, hf_bf16), s, ref32 in zip(greedy, references, scored, fp32):
+    for result, (tokens, margins, _full, hf_bf16), s, ref32 in zip(greedy, references, scored, fp32):
         report["equal_prefix"].append(equal_prefix(result["output_token_ids"], tokens, margins))
         ours_lp = torch.tensor(s["prompt_logprobs"])
         vs_hf.append((ours_lp - hf_bf16).abs())

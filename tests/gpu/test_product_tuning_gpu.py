@@ -35,7 +35,8 @@ def test_tuned_products(model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(tg, "tuned", {})
     llm = LLM(str(model_dir), dtype="bfloat16", max_num_seqs=96, gpu_memory_utilization=0.3)
     sizes = [80, 96, 128, 192, 256]
-    shapes = [(2048, 256, "bfloat16", True, False), (256, 256, "bfloat16", False, True), (256, 1024, "bfloat16", False, True)]
+    shapes = [(2048, 256, "bfloat16", True, False), (256, 256, "bfloat16", False, True),
+              (256, 1024, "bfloat16", False, True)]
     assert set(tg.tuned) == {(*s, m) for s in shapes for m in sizes}
     for (n, k, _, silu, _, m), tile in tg.tuned.items():
         assert tile is None or tile in tg.candidate_tiles(m, n // 2 if silu else n, k, silu)

@@ -131,7 +131,8 @@ if __name__ == "__main__":  # the workers start by spawn and import this module
         llm = LLM(sys.argv[1], dtype="bfloat16", tensor_parallel_size=2, max_num_seqs=8)
         paths.append(llm.describe()["tensor_parallel_all_reduce"])
         rows = [{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [7, 8]}]
-        tokens.append([r["output_token_ids"] for r in llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=12))])
+        tokens.append([r["output_token_ids"]
+                       for r in llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=12))])
         llm.close()
     print("PATHS", paths, flush=True)
     print("SAME", tokens[0] == tokens[1], flush=True)

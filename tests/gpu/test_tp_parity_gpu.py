@@ -30,7 +30,8 @@ def run_engine(path, tp, prompts):
 
 def score(llm, sequences):
     rows = [{"prompt_token_ids": s, "prompt_logprobs": True} for s in sequences]
-    return [torch.tensor(r["prompt_logprobs"]) for r in llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=1))]
+    return [torch.tensor(r["prompt_logprobs"])
+            for r in llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=1))]
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -3,9 +3,8 @@ on by tests/conftest.py before triton is imported)."""
 import os
 from pathlib import Path
 
-import torch
-
 import pytest
+import torch
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -6,10 +6,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.kernels.attention_batch import make_batch, q_bounds
-from batchgen.layers.forward_batch import ForwardBatch
 from batchgen.layers import attention
 from batchgen.layers.attention import Attention
+from batchgen.layers.forward_batch import ForwardBatch
+from tests.kernels.attention_batch import make_batch, q_bounds
 
 HQ, HK, D = 4, 2, 16
 DECODES = [(1, 9), (1, 30), (1, 1)]

@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from tests.kernels.attention_batch import make_batch
 from batchgen.kernels.decode_attention import (
     TILE_HEAD_DIM_64,
     TILE_HEAD_DIM_64_DENSE,
@@ -15,6 +14,7 @@ from batchgen.kernels.decode_attention import (
     dense_tile_batch_sizes,
     pick_tile,
 )
+from tests.kernels.attention_batch import make_batch
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (Hq, Hk, D): GQA, MHA, a group of 7, head_dim not a power of 2; on the GPU also groups of 8, 32,

@@ -8,13 +8,13 @@ rotated keys of rope + store not at all: the interpreter itself rounds some valu
 import pytest
 import torch
 
-from tests.kernels.attention_batch import make_batch, q_bounds
-from tests.kernels.test_rope_store_kv import _inputs as rope_inputs
 from batchgen.kernels.decode_attention import decode_attention_cpu, decode_attention_ref, decode_attention_triton
+from batchgen.kernels.kv_dtype import FP8_E4M3_MAX, cast_for_cache
 from batchgen.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 from batchgen.kernels.rope_store_kv import rope_store_kv_ref, rope_store_kv_triton
-from batchgen.kernels.kv_dtype import FP8_E4M3_MAX, cast_for_cache
 from batchgen.kernels.unified_attention import unified_attention_ref, unified_attention_triton
+from tests.kernels.attention_batch import make_batch, q_bounds
+from tests.kernels.test_rope_store_kv import _inputs as rope_inputs
 
 FP8 = torch.float8_e4m3fn
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # the model's; bf16 runs on the GPU only

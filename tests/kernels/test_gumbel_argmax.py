@@ -4,8 +4,16 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.gumbel_argmax import (
-    GROUP, _gumbel, _gumbel_noise, gumbel_argmax, gumbel_argmax_cpu, gumbel_argmax_ref, gumbel_argmax_triton,
-    gumbel_max_cpu, gumbel_max_ref, gumbel_max_triton,
+    GROUP,
+    _gumbel,
+    _gumbel_noise,
+    gumbel_argmax,
+    gumbel_argmax_cpu,
+    gumbel_argmax_ref,
+    gumbel_argmax_triton,
+    gumbel_max_cpu,
+    gumbel_max_ref,
+    gumbel_max_triton,
 )
 
 # (rows, vocab): one row, a vocabulary not a multiple of the block, several blocks; real vocabularies

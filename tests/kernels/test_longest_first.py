@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from tests.kernels.attention_batch import make_batch
 from batchgen.kernels.decode_attention import _decode_attention_launch, decode_attention_ref
 from batchgen.kernels.longest_first import longest_first, longest_first_ref, longest_first_triton
+from tests.kernels.attention_batch import make_batch
 
 
 @pytest.mark.parametrize("num_seqs", [1, 2, 5, 64, 65, 130])

@@ -3,12 +3,12 @@ import random
 import pytest
 import torch
 
-from tests.kernels.attention_batch import make_batch
 from batchgen.kernels.prefill_attention import (
     _prefill_attention_launch,
     prefill_attention_ref,
     prefill_attention_triton,
 )
+from tests.kernels.attention_batch import make_batch
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (Hq, Hk, D): GQA, MHA, a group of 7, head_dim not a power of 2; on the GPU also SmolLM2 (group

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from batchgen.kernels.rmsnorm import rmsnorm_triton, rmsnorm_ref, add_rmsnorm_triton, add_rmsnorm_ref
+from batchgen.kernels.rmsnorm import add_rmsnorm_ref, add_rmsnorm_triton, rmsnorm_ref, rmsnorm_triton
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (tokens, hidden): one token, primes, hidden not a power of 2; llama-3.2-1b / 3.1-8b on the GPU.

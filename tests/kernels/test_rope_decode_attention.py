@@ -2,7 +2,9 @@ import pytest
 import torch
 
 from batchgen.kernels.rope_decode_attention import (
-    _counters, rope_decode_attention_ref, rope_decode_attention_triton,
+    _counters,
+    rope_decode_attention_ref,
+    rope_decode_attention_triton,
 )
 from tests.kernels.test_rotary import _cos_sin_cache
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from batchgen.kernels.silu_and_mul import silu_and_mul_triton, silu_and_mul_ref
+from batchgen.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (tokens, I): one token, primes, I over one block of 1024; llama-3.2-1b / 3.1-8b on the GPU.

@@ -17,7 +17,8 @@ CASES = [(3, 96, 128, (64, 32, 64, 2, 4, 1)), (70, 80, 256, (64, 32, 64, 2, 4, 2
     pytest.param(m, n, k, None, marks=pytest.mark.gpu)
     for m, n, k in [(2, 2048, 2048), (100, 2048, 2048), (5, 2048, 8192), (64, 2048, 8192), (128, 2048, 8192)]
 ] + [  # the candidates start-up timing tries at 65-256 rows (two M tiles at 192 and 256)
-    pytest.param(m, n, k, tile, marks=pytest.mark.gpu) for m, n, k in [(80, 2048, 8192), (192, 2048, 8192), (256, 2048, 2048)]
+    pytest.param(m, n, k, tile, marks=pytest.mark.gpu)
+    for m, n, k in [(80, 2048, 8192), (192, 2048, 8192), (256, 2048, 2048)]
     for tile in candidate_tiles(m, n, k, False)
 ]
 
@@ -34,7 +35,8 @@ def test_tile_gemm(device, assert_close, dtype, m, n, k, tile):
     if split > 1:  # fp32 parts, one per slice of K
         assert got.shape == (split, m, n) and got.dtype == torch.float32
         k_part = k // split
-        want = torch.stack([x[:, s * k_part:(s + 1) * k_part].float() @ weight[:, s * k_part:(s + 1) * k_part].float().t()
+        want = torch.stack([x[:, s * k_part:(s + 1) * k_part].float()
+                                @ weight[:, s * k_part:(s + 1) * k_part].float().t()
                             for s in range(split)])
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)  # fp32 sums of 16-bit products
     else:
@@ -47,7 +49,8 @@ def test_tile_gemm(device, assert_close, dtype, m, n, k, tile):
 @pytest.mark.parametrize("m,inter,k,tile", [(5, 64, 128, (64, 32, 64, 2, 4, 1)), (40, 48, 64, (32, 16, 64, 1, 4, 1)),
                                             (5, 40, 128, (64, 16, 64, 2, 4, 1))] + [
     pytest.param(m, 8192, 2048, None, marks=pytest.mark.gpu) for m in (2, 30, 64, 128)] + [
-    pytest.param(m, 8192, 2048, tile, marks=pytest.mark.gpu) for m in (80, 192, 256) for tile in candidate_tiles(m, 8192, 2048, True)])
+    pytest.param(m, 8192, 2048, tile, marks=pytest.mark.gpu)
+    for m in (80, 192, 256) for tile in candidate_tiles(m, 8192, 2048, True)])
 def test_tile_gemm_silu_mul_out(device, assert_close, dtype, m, inter, k, tile):
     """An MLP's gate/up [2I, K]: the product gives silu(gate) * up [M, I], gate and up each rounded
     as the product rounds them; the reference applies SiLU-and-mul after the product."""
@@ -88,12 +91,14 @@ def test_choice(monkeypatch):
     assert [uses_tile_gemm(rows[m], o, parts_ok=True) for m in (2, 64, 65)] == [True, True, False]
     assert not uses_tile_gemm(rows[2], o)  # the caller cannot sum parts: only gate/up goes unsplit
     assert uses_tile_gemm(torch.empty(64, 8192, **bf16), torch.empty(2048, 8192, **bf16), parts_ok=True)  # down
-    assert not uses_tile_gemm(torch.empty(64, 4864, **bf16), torch.empty(896, 4864, **bf16), parts_ok=True)  # 28 programs
+    # 28 programs
+    assert not uses_tile_gemm(torch.empty(64, 4864, **bf16), torch.empty(896, 4864, **bf16), parts_ok=True)
     assert not uses_tile_gemm(rows[64], qkv, parts_ok=True)
     big_gate_up = torch.empty(2 * 14336, 4096, **bf16)  # llama-3.1-8b's: 224 programs, more than one wave
     assert not uses_tile_gemm(torch.empty(8, 4096, **bf16), big_gate_up, silu_mul_out=True)
     assert not uses_tile_gemm(rows[2].float(), o.float(), parts_ok=True)
-    assert not uses_tile_gemm(torch.empty(2, 2056, **bf16)[:, 4:], o, parts_ok=True)  # rows 8 bytes off 16-byte alignment
+    # rows 8 bytes off 16-byte alignment
+    assert not uses_tile_gemm(torch.empty(2, 2056, **bf16)[:, 4:], o, parts_ok=True)
     assert not uses_tile_gemm(torch.empty(2, 2040, **bf16), torch.empty(64, 2040, **bf16), True)  # K not whole BK steps
     assert pick_tile(100, 2048, 8192, False, parts_ok=True)[-1] == 4 and pick_tile(2, 2048, 2048, False)[-1] == 1
     monkeypatch.undo()

@@ -3,12 +3,12 @@ import random
 import pytest
 import torch
 
-from tests.kernels.attention_batch import make_batch, q_bounds
 from batchgen.kernels.unified_attention import (
     _unified_attention_launch,
     unified_attention_ref,
     unified_attention_triton,
 )
+from tests.kernels.attention_batch import make_batch, q_bounds
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (Hq, Hk, D): GQA, a group of 7 with head_dim not a power of 2, MHA; on the GPU llama-3.2-1b,
