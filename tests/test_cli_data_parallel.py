@@ -66,6 +66,17 @@ def _children_of(pid: int) -> list[int]:
     return found
 
 
+def _replicas_of(pid: int) -> list[int]:
+    """The live child processes of pid, less multiprocessing's resource tracker (which ends by itself
+    once its parent has exited)."""
+    def tracker(child: int) -> bool:
+        try:
+            return b"resource_tracker" in open(f"/proc/{child}/cmdline", "rb").read()
+        except OSError:
+            return False
+    return [p for p in _children_of(pid) if _alive(p) and not tracker(p)]
+
+
 def _alive(pid: int) -> bool:
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -81,7 +92,7 @@ def test_killed_parent_then_sigterm_then_a_rerun_give_every_row_once(job, tmp_pa
     process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS, *DP), env=environment(), cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_parts(process, tmp_path / "out.parquet.partial")
-    replicas = [p for p in _children_of(process.pid) if _alive(p)]
+    replicas = _replicas_of(process.pid)
     assert len(replicas) >= 2
     process.kill()
     process.wait(timeout=30)
@@ -111,7 +122,7 @@ def test_a_killed_replica_loses_no_row(job, tmp_path):
     process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS, *DP), env=environment(), cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_parts(process, tmp_path / "out.parquet.partial")
-    replicas = sorted(p for p in _children_of(process.pid) if _alive(p))
+    replicas = sorted(_replicas_of(process.pid))
     os.kill(replicas[-1], signal.SIGKILL)
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr
@@ -161,7 +172,7 @@ def test_a_worker_with_two_replicas_serves_the_queue(tmp_path_factory, tmp_path,
             table = submit_and_collect(batchgen, server.url(), "dp", src, tmp_path / "out.parquet")
             assert queue_texts(table) == queue_texts(reference)
             assert json.loads(table.schema.metadata[b"batchgen"])["rows"] == len(reference)
-            replicas = [p for p in _children_of(worker.process.pid) if _alive(p)]
+            replicas = _replicas_of(worker.process.pid)
             assert worker.stop() == 0, worker.log_path.read_text()[-3000:]
             assert not any(_alive(p) for p in replicas)
         finally:

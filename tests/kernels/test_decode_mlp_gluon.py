@@ -46,10 +46,11 @@ def test_decode_mlp_gluon_fp32_input():
 
 
 def _linked_pair(w_gate_up, w_down_t):
-    """Two OneRowMLPs of the same weights, each the other's next layer (a layer's sum is not the next's)."""
+    """Two OneRowMLPs of the same weights, each the other's next layer (a layer's sum is not the next's).
+    Both are returned: the ring's links are weak, as the model's layers hold its MLPs."""
     first, second = OneRowMLP(w_gate_up, w_down_t.t()), OneRowMLP(w_gate_up, w_down_t.t())
     first.next, second.next, first.first, second.first = second, first, first, first
-    return first
+    return first, second
 
 
 @pytest.mark.gpu
@@ -64,7 +65,7 @@ def test_one_row_mlp_takes_gluon_after_its_check(monkeypatch):
 
     def run(h, inter):
         x, residual, norm_weight, w_gate_up, w_down_t = _inputs(h, inter, torch.bfloat16, "cuda")
-        layer = _linked_pair(w_gate_up, w_down_t)
+        layer, _following = _linked_pair(w_gate_up, w_down_t)
         layer(SimpleNamespace(weight=norm_weight, eps=1e-5), x, residual)
         torch.testing.assert_close(layer.sum, decode_mlp_ref(x, residual, norm_weight, 1e-5, w_gate_up, w_down_t)[0],
                                    rtol=2e-2, atol=2e-2)
