@@ -6,8 +6,8 @@ from collections.abc import Iterable, Iterator
 
 from batchgen.config import EngineConfig
 from batchgen.engine.engine import CLOSED, EngineClosedError, LLMEngine
-from batchgen.engine.replicas import ReplicaPool, data_parallel_size
 from batchgen.models.generation_config import read_sampling_defaults
+from batchgen.replicas import ReplicaPool, data_parallel_size
 from batchgen.sampling_params import SamplingParams, resolve_defaults
 from batchgen.version import __version__
 

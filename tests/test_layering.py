@@ -1,6 +1,7 @@
-"""The tree's layering, top down: the CLI, io/ and queue/; llm.py; engine/ (the host: the loop, scheduling,
-finish rules); executor/ (the device: model runner, memory, graphs, sampling); models/; layers/;
-parallel/ (the tensor-parallel group); kernels/. No floor imports a floor above it, the host reaches the
+"""The tree's layering, top down: the CLI, io/ and queue/; llm.py; replicas/ (data parallelism: engines in
+child processes); engine/ (the host: the loop, scheduling, finish rules); executor/ (the device: model
+runner, memory, graphs, sampling); models/; layers/; parallel/ (the tensor-parallel group, child
+processes); kernels/. No floor imports a floor above it, the host reaches the
 model only through the executor, kernels/ import no other part of batchgen, and no module imports
 itself through others (no import circle)."""
 import ast
@@ -10,8 +11,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "batchgen"
 ABOVE = ("batchgen.engine", "batchgen.executor", "batchgen.io", "batchgen.queue", "batchgen.cli", "batchgen.llm",
-         "batchgen.ray")
-HOST = ("batchgen.engine", "batchgen.io", "batchgen.queue", "batchgen.cli", "batchgen.llm", "batchgen.ray")
+         "batchgen.ray", "batchgen.replicas")
+HOST = ("batchgen.engine", "batchgen.io", "batchgen.queue", "batchgen.cli", "batchgen.llm", "batchgen.ray",
+        "batchgen.replicas")
 
 
 def module_name(path: Path) -> str:
@@ -92,6 +94,17 @@ def test_the_executor_does_not_import_the_host():
         for f in sorted((PACKAGE / "executor").rglob("*.py"))
         for m in imported_modules(f)
         if m.startswith(HOST)
+    }
+    assert not upward
+
+
+def test_one_engine_knows_nothing_of_replicas():
+    """engine/ runs one engine; replicas/ and llm.py compose engines, above it."""
+    upward = {
+        f"{f.relative_to(PACKAGE)} imports {m}"
+        for f in sorted((PACKAGE / "engine").rglob("*.py"))
+        for m in imported_modules(f)
+        if m.startswith(("batchgen.replicas", "batchgen.llm"))
     }
     assert not upward
 

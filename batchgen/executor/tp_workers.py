@@ -1,7 +1,7 @@
 """Tensor-parallel worker processes and the per-step hand-off.
 
 Rank 0 is the calling process: it owns the scheduler, the tokenizer and sampling. Ranks 1..N-1 are
-children (executor/processes.py: they never outlive it), one per GPU (rank r on cuda:r; NCCL), or CPU
+children (parallel/processes.py: they never outlive it), one per GPU (rank r on cuda:r; NCCL), or CPU
 processes (gloo). Every rank builds the same ModelRunner over its own shards. Each step rank 0 writes the
 step's packed StepInputs to a pipe per worker; every rank stages them, runs the forward (the collectives
 inside), and the workers receive rank 0's sampled tokens by a broadcast on the device.
@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from batchgen.config import EngineConfig
-from batchgen.executor.processes import (
+from batchgen.executor.step_inputs import StepInputs
+from batchgen.parallel.processes import (
     EXIT_FAILED,
     EXIT_PARENT_GONE,
     EXIT_STOPPED,
@@ -33,7 +34,6 @@ from batchgen.executor.processes import (
     report_failure,
     watch_parent,
 )
-from batchgen.executor.step_inputs import StepInputs
 from batchgen.parallel.tensor_parallel import TensorParallel, connect
 
 STOP = b""  # the step message that ends a worker

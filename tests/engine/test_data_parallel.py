@@ -1,4 +1,4 @@
-"""Data parallelism (engine/replicas.py) on CPU: two replica processes give the rows of one engine, each
+"""Data parallelism (batchgen/replicas/) on CPU: two replica processes give the rows of one engine, each
 exactly once, whatever happens to a replica: one killed mid-job (its rows go to the other), both killed
 (a clear error), a parent killed (no replica left behind), a consumer that stops reading early."""
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.replicas import ReplicaError, prefix_key
+from batchgen.replicas import ReplicaError, prefix_key
 
 OPTIONS = dict(device="cpu", dtype="float32", max_num_seqs=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -1,120 +1,37 @@
-"""Data parallelism: N engine replicas, each in a child process with its own GPU (or its own tensor-
-parallel group of GPUs), fed from one reader and collected into one stream of results.
-
-Rows go to replicas as each has room (a replica holds at most as many rows as one engine looks ahead
-at), each to the replica with the least work outstanding (its rows' prompt and output tokens, as far as
-they are known before tokenizing), so that the replicas finish together and a faster one takes more.
-Rows that look alike at the start (a shared system prompt, a shared prefix) go to the replica that had
-that prefix before, where it has room, so its prefix cache still pays. A row's n samples stay together.
-
-A replica that dies (a CUDA error, out of memory, SIGKILL) loses no rows: the samples it had not
-returned go to the others. A row that was on two replicas that died becomes an error row. When every
-replica is gone, generate() raises ReplicaError naming the last one and why; the results already given
-stand, and a rerun of the job completes it. Replicas end with their parent (executor/processes.py).
-
-Messages, parent -> replica: ("job", defaults, threaded), ("rows", [row, ...]), ("end",) (no more rows
-in this job), ("stop",) (stop now, as on SIGTERM), ("close",). Replica -> parent: ("row", result) and
-("done", stats) at the end of each job.
-"""
+"""ReplicaPool: the parent's side of data parallelism. It starts the replicas, deals rows to them
+and gathers their results into one stream, re-dealing what a replica that died had not returned."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
-import queue
-import signal
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from multiprocessing.connection import wait
 
-import torch
 from transformers import AutoTokenizer
 
 from batchgen.config import EngineConfig
 from batchgen.engine.finish import error_row
 from batchgen.executor.cpu_threads import usable_cores
 from batchgen.executor.memory import resolve_device
-from batchgen.executor.processes import (
-    EXIT_FAILED,
-    EXIT_PARENT_GONE,
-    EXIT_STOPPED,
-    ChildGroup,
-    exit_now,
-    report_failure,
-    watch_parent,
-)
 from batchgen.models.model_config import load_model_config
 from batchgen.models.resolve import resolve_model_dir
+from batchgen.parallel.processes import ChildGroup
+from batchgen.replicas.placement import data_parallel_size, estimated_tokens, prefix_key, replica_environments
+from batchgen.replicas.replica_process import replica_main
 from batchgen.sampling_params import SamplingParams, samples_of
 from batchgen.schema import SAMPLES_KEY
 
 _END = object()
 REPLICA_KEY = "__batchgen_replica_row__"  # the parent's number of a row dealt, carried through its results
 SEND_BATCH = 64  # rows a message: few messages, and a replica starts on a batch at once
-PREFIX_CHARS = 256  # the start of a prompt that decides which replica gets it
 AFFINITY_ENTRIES = 100_000  # prefixes remembered (least recently used go first)
 AFFINITY_SLACK = 0.25  # a row follows its prefix to a replica with at most this much more work than the least
 
 
 class ReplicaError(RuntimeError):
     """Every data-parallel replica failed; the message says which failed last and why."""
-
-
-def data_parallel_size(config: EngineConfig) -> int:
-    """config.data_parallel_size as a number: "auto" is every visible GPU over the tensor-parallel size
-    (1 without a GPU)."""
-    size = config.data_parallel_size
-    if size != "auto":
-        return int(size)
-    if resolve_device(config.device).type != "cuda":
-        return 1
-    return max(1, torch.cuda.device_count() // config.tensor_parallel_size)
-
-
-def replica_environments(config: EngineConfig, size: int) -> list[dict]:
-    """Each replica's CUDA_VISIBLE_DEVICES: its own tensor_parallel_size GPUs of those visible."""
-    if resolve_device(config.device).type != "cuda":
-        return [{} for _ in range(size)]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = [g.strip() for g in visible.split(",")] if visible else [str(i) for i in range(torch.cuda.device_count())]
-    tp = config.tensor_parallel_size
-    if size * tp > len(gpus):
-        raise ValueError(f"invalid --data-parallel-size: {size} replicas x {tp} GPUs each need {size * tp} GPUs, "
-                         f"{len(gpus)} visible")
-    return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * tp : (i + 1) * tp])} for i in range(size)]
-
-
-def prefix_key(row) -> bytes | None:
-    """What a row's prompt starts with, as a short digest: rows with the same key likely share a prefix."""
-    if not isinstance(row, dict):
-        return None
-    if isinstance(row.get("prompt"), str):
-        start = row["prompt"][:PREFIX_CHARS]
-    elif isinstance(row.get("messages"), list) and row["messages"]:
-        messages = row["messages"]
-        start = json.dumps(messages[:-1] if len(messages) > 1 else messages, default=str)[:PREFIX_CHARS]
-    elif isinstance(row.get("prompt_token_ids"), list):
-        start = repr(row["prompt_token_ids"][:64])
-    else:
-        return None
-    return hashlib.blake2b(start.encode(errors="replace"), digest_size=8).digest()
-
-
-def estimated_tokens(row: dict, default_max_tokens: int, samples: int) -> int:
-    """A row's tokens before it is tokenized: its prompt (token ids, or ~4 characters a token) and
-    max_tokens for each sample."""
-    if isinstance(row.get("prompt_token_ids"), list):
-        prompt = len(row["prompt_token_ids"])
-    elif isinstance(row.get("prompt"), str):
-        prompt = len(row["prompt"]) // 4
-    else:
-        prompt = len(json.dumps(row.get("messages"), default=str)) // 4
-    max_tokens = row.get("max_tokens")
-    max_tokens = max_tokens if isinstance(max_tokens, int) and 0 < max_tokens < 2**31 else default_max_tokens
-    return prompt + max_tokens * max(samples, 1)
 
 
 @dataclasses.dataclass
@@ -396,63 +313,3 @@ class ReplicaPool:
         while self._alive("running", "ending") and time.monotonic() < deadline:
             self._bury_the_dead([])
             self._receive(timeout=0.05)
-
-
-# ---- a replica process -----------------------------------------------------------------------------
-def replica_main(index: int, config: EngineConfig, size: int, work, life) -> None:
-    watch_parent(life)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the parent stops the job; a replica ends with it
-        signal.signal(sig, signal.SIG_IGN)
-    engine = None
-    try:
-        from batchgen.engine.engine import LLMEngine
-
-        engine = LLMEngine(config)
-        life.send(("ready", engine.describe()))
-        inbox: queue.Queue = queue.Queue()
-        stop = threading.Event()
-        threading.Thread(target=_read_messages, args=(work, inbox, stop), daemon=True).start()
-        while True:
-            message = inbox.get()
-            if message[0] == "close":
-                break
-            if message[0] != "job":  # (the end or stop of a job that is over)
-                continue
-            _, defaults, threaded = message
-            for result in engine.generate(_rows(inbox, engine), defaults, stop, threaded):
-                work.send(("row", (result, engine.generated_tokens)))
-            work.send(("done", engine.stats))
-    except BaseException as e:
-        report_failure(life, f"data-parallel replica {index}", e)
-        exit_now(EXIT_FAILED)
-    engine.close()
-    exit_now(EXIT_STOPPED)
-
-
-def _read_messages(work, inbox: queue.Queue, stop: threading.Event) -> None:
-    """The parent's messages into inbox, in order; "job" clears the stop flag, "stop" raises it."""
-    try:
-        while True:
-            message = work.recv()
-            if message[0] == "job":
-                stop.clear()
-            elif message[0] == "stop":
-                stop.set()
-            inbox.put(message)
-    except (EOFError, OSError):
-        exit_now(EXIT_PARENT_GONE)
-
-
-def _rows(inbox: queue.Queue, engine) -> Iterator[dict | None]:
-    """A job's rows as the parent sends them: None while none has come (waiting a moment when the
-    engine is idle, so that it does not spin), and the end at "end" or "stop"."""
-    while True:
-        try:
-            message = inbox.get_nowait() if engine.has_work() else inbox.get(timeout=0.01)
-        except queue.Empty:
-            yield None
-            continue
-        if message[0] == "rows":
-            yield from message[1]
-        elif message[0] in ("end", "stop"):
-            return
