@@ -7,12 +7,12 @@ run until every row has hit EOS or its 64 tokens; only the tokens each row reall
 and including its EOS) count, the same as batchgen's completion_tokens. HF loads the checkpoint in
 its own dtype (fp32); batchgen runs at its automatic dtype (bf16 on CPUs with native bf16) and, for
 reference, in fp32 too. Each side runs in a process of its own (HF as a user runs it: batchgen's
-CPU tuning of the process, engine/cpu_memory.py, stays in batchgen's processes), --repeats times,
+CPU tuning of the process, executor/cpu_memory.py, stays in batchgen's processes), --repeats times,
 alternating, and its best run counts: other work on a small machine only ever slows a run down.
 Prints one JSON line per batchgen setting.
 
 --busy N starts N processes that keep a core busy each (`while True: pass`) for the whole run: a
-shared machine, where torch's threads compete with other work (engine/cpu_threads.py). Both sides
+shared machine, where torch's threads compete with other work (executor/cpu_threads.py). Both sides
 run under the same load; batchgen's runs report the thread count it chose. --cpu-threads passes
 EngineConfig.cpu_threads (default: auto). On a CPU without native bf16, auto is fp32 and runs once.
 """
@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.cpu_threads import usable_cores
-from batchgen.engine.runner import cpu_has_native_bf16
+from batchgen.executor.cpu_threads import usable_cores
+from batchgen.executor.memory import cpu_has_native_bf16
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "prompts.jsonl"
 

@@ -1,4 +1,4 @@
-"""torch's CPU thread count (engine/cpu_threads.py): EngineConfig.cpu_threads fixes it; auto takes the
+"""torch's CPU thread count (executor/cpu_threads.py): EngineConfig.cpu_threads fixes it; auto takes the
 usable cores less those that other processes keep busy, so that a shared machine is not oversubscribed."""
 import multiprocessing as mp
 import time
