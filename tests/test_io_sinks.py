@@ -1,4 +1,4 @@
-"""Part files and the final file (batchgen.io.sinks), and the work directory (batchgen.io.resume)."""
+"""Part files (batchgen.io.parts), the final file (batchgen.io.sinks), the work directory (batchgen.io.resume)."""
 
 import json
 
@@ -6,9 +6,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchgen.io.layout import Layout
+from batchgen.io.parts import PartWriter, list_parts
 from batchgen.io.resume import JobError, WorkDir
 from batchgen.io.rows import ROW_KEY, error_result
-from batchgen.io.sinks import Layout, PartWriter, list_parts, merge_parts
+from batchgen.io.sinks import merge_parts
 
 
 def ok_row(index, **extra):

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 import os
 
+from batchgen.io.layout import Layout
 from batchgen.io.openai_input import CHAT_URL, COMPLETIONS_URL
 from batchgen.io.openai_output import sidecar_path, stored_fingerprint, stored_metadata, write_openai_output
+from batchgen.io.parts import PartWriter
 from batchgen.io.rows import ROW_KEY
-from batchgen.io.sinks import Layout, PartWriter
 from batchgen.schema import error_result
 from tests.openai_types import read_lines, validate_line
 

@@ -19,11 +19,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.io import openai_output
+from batchgen.io.layout import Layout
 from batchgen.io.openai_input import CHAT_URL, COMPLETIONS_URL, make_checker, resolve_input_format
+from batchgen.io.parts import OutputWriteError, PartWriter, list_parts
 from batchgen.io.resume import JobError, WorkDir, describe_difference, input_identity, output_fingerprint, same_job
 from batchgen.io.rows import ROW_KEY, ROW_SAMPLES_KEY
 from batchgen.io.shard import Shard
-from batchgen.io.sinks import Layout, OutputWriteError, PartWriter, Totals, list_parts, merge_parts, prefix_cache_totals
+from batchgen.io.sinks import Totals, merge_parts, prefix_cache_totals
 from batchgen.io.sources import InputError, open_source
 from batchgen.sampling_params import samples_of
 from batchgen.schema import SAMPLES_KEY

@@ -37,17 +37,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.io.openai_input import COMPLETIONS_URL
+from batchgen.io.parts import fsync_dir, list_parts, write_atomically, write_error, writing
 from batchgen.io.rows import ROW_KEY
-from batchgen.io.sinks import (
-    Totals,
-    first_copies,
-    fsync_dir,
-    list_parts,
-    per_input_row,
-    write_atomically,
-    write_error,
-    writing,
-)
+from batchgen.io.sinks import Totals, first_copies, per_input_row
 from batchgen.token_text import TokenText
 
 SAMPLE_KEY = "sample_index"  # the n samples of one line (absent: one sample, index 0)
@@ -97,7 +89,7 @@ def _chat_logprobs(sample: dict, names: TokenNames) -> dict | None:
     values = sample.get("logprobs")
     if values is None:
         return None
-    # per generated token, its top-k alternatives as {token_id, token, logprob} (sinks.TOP_LOGPROB_TYPE)
+    # per generated token, its top-k alternatives as {token_id, token, logprob} (layout.TOP_LOGPROB_TYPE)
     tops = sample.get("top_logprobs") or [None] * len(values)
     content = []
     for token_id, value, top in zip(sample["output_token_ids"], values, tops):

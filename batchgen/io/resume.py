@@ -21,7 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.io.sinks import list_parts, read_row_keys, write_atomically
+from batchgen.io.parts import list_parts, write_atomically
+from batchgen.io.sinks import read_row_keys
 
 log = logging.getLogger("batchgen")
 

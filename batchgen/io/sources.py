@@ -36,7 +36,7 @@ class JsonlSource:
     its 0-based line number. Each line is decoded as UTF-8 here, so that a bad line becomes one error
     row instead of an exception that ends the job."""
 
-    schema: pa.Schema | None = None  # column types are inferred from the values (see sinks.py)
+    schema: pa.Schema | None = None  # column types are inferred from the values (see layout.py)
 
     def __init__(self, path: Path) -> None:
         self.path = path

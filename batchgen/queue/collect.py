@@ -23,10 +23,12 @@ import numpy as np
 import pyarrow as pa
 import redis
 
+from batchgen.io.layout import Layout
 from batchgen.io.openai_output import write_openai_output
+from batchgen.io.parts import PartWriter
 from batchgen.io.resume import JobError
 from batchgen.io.rows import ROW_KEY
-from batchgen.io.sinks import Layout, PartWriter, Totals, merge_parts, prefix_cache_totals
+from batchgen.io.sinks import Totals, merge_parts, prefix_cache_totals
 from batchgen.queue.protocol import Backoff, Keys, is_retryable, text
 from batchgen.sampling_params import MAX_N
 from batchgen.version import __version__

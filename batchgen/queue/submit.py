@@ -17,9 +17,9 @@ from pathlib import Path
 import pyarrow as pa
 import redis
 
+from batchgen.io.layout import Layout
 from batchgen.io.openai_input import make_checker, resolve_input_format
 from batchgen.io.rows import RESERVED, ROW_KEY
-from batchgen.io.sinks import Layout
 from batchgen.io.sources import InputError, open_source
 from batchgen.queue.protocol import Keys, encode_request, encode_result, ensure_group, text, to_json
 

@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from batchgen.io.layout import OPTIONAL_OUTPUT_TYPES, OUTPUT_TYPES
 from batchgen.io.rows import RESERVED
-from batchgen.io.sinks import OPTIONAL_OUTPUT_TYPES, OUTPUT_TYPES
 from batchgen.schema import KNOWN_FIELDS
 
 # the input columns a result column takes the place of (`id`, and opt-in outputs such as logprobs)
