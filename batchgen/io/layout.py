@@ -129,8 +129,8 @@ class Layout:
     def _fixed_table(self, rows: list[dict]) -> pa.Table:
         schema = self.fixed_schema.append(pa.field(ROW_KEY, pa.int64())).append(pa.field(ROW_SAMPLES_KEY, pa.int64()))
         id_is_text = not pa.types.is_integer(schema.field("id").type)
-        if not id_is_text and any(isinstance(r.get("id"), str) for r in rows):
-            rows = [_fallback_id_in_error(r) if isinstance(r.get("id"), str) else r for r in rows]
+        if not id_is_text and any(_has_fallback_id(r) for r in rows):
+            rows = [_fallback_id_in_error(r) if _has_fallback_id(r) else r for r in rows]
         columns = {}
         for f in schema:
             values = [r.get(f.name) for r in rows]
@@ -192,6 +192,12 @@ class Layout:
         asked = {f.name for schema in part_schemas for f in schema}
         fields += [pa.field(n, t) for n, t in OPTIONAL_OUTPUT_TYPES.items() if n in asked]
         return pa.schema(fields)
+
+
+def _has_fallback_id(row: dict) -> bool:
+    """An error row with a text id: io.rows' fallback for a row whose own id was unusable. A result
+    row with a text id in an integer column is a wrong type, and fails as one."""
+    return isinstance(row.get("id"), str) and row.get("finish_reason") == "error"
 
 
 def _fallback_id_in_error(row: dict) -> dict:
