@@ -105,7 +105,10 @@ def test_killed_parent_then_sigterm_then_a_rerun_give_every_row_once(job, tmp_pa
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while len(list((tmp_path / "out.parquet.partial").glob("part-*.parquet"))) <= saved:
-        assert process.poll() is None and time.monotonic() < deadline, "the rerun saved no row"
+        if process.poll() is not None:
+            pytest.fail(f"the rerun exited {process.returncode} before saving a row: "
+                        f"{process.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline, "the rerun saved no row"
         time.sleep(0.02)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
