@@ -11,6 +11,8 @@ from batchgen.schema_refs import SchemaRefError, check_refs
 from batchgen.unicode_text import TextError, check_nested_text, writable
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # exactly one per row
+INPUT_FORMATS = ("auto", "openai", "batchgen")  # auto: openai where the first JSON object line is one
+OUTPUT_FORMATS = ("auto", "parquet", "openai")  # auto: openai for an OUTPUT named *.jsonl, else parquet
 SAMPLING_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
 )

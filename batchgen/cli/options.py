@@ -10,43 +10,22 @@ from typing import Optional
 
 import typer
 
-from batchgen.schema import INT32_MAX, FieldError, check_range
+from batchgen.config import DEVICES, DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES
+from batchgen.schema import INPUT_FORMATS, INT32_MAX, OUTPUT_FORMATS, FieldError, check_range
 
 
-class Dtype(str, Enum):
-    auto = "auto"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-    float32 = "float32"
+def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
+    """A Typer choice type whose members are `values` (config.py's tuples: one list of choices)."""
+    return Enum(name, [(v, v) for v in values], type=str)
 
 
-class InputFormat(str, Enum):
-    auto = "auto"
-    openai = "openai"
-    batchgen = "batchgen"
-
-
-class OutputFormat(str, Enum):
-    auto = "auto"
-    parquet = "parquet"
-    openai = "openai"
-
-
-class KvCacheDtype(str, Enum):
-    auto = "auto"
-    fp8 = "fp8"
-    fp8_e4m3 = "fp8_e4m3"
-
-
-class Device(str, Enum):
-    auto = "auto"
-    cuda = "cuda"
-    cpu = "cpu"
-
-
-class GenerationConfig(str, Enum):
-    auto = "auto"  # sampling defaults not given as options: the model's generation_config.json, else built-in
-    none = "none"  # batchgen's built-ins
+Dtype = _choices("Dtype", DTYPES)
+KvCacheDtype = _choices("KvCacheDtype", KV_CACHE_DTYPES)  # fp8 = fp8_e4m3
+Device = _choices("Device", DEVICES)
+# auto: the model's generation_config.json gives the sampling defaults not given as options; none: built-ins
+GenerationConfig = _choices("GenerationConfig", GENERATION_CONFIGS)
+InputFormat = _choices("InputFormat", INPUT_FORMATS)
+OutputFormat = _choices("OutputFormat", OUTPUT_FORMATS)
 
 
 def _env(name: str) -> str:

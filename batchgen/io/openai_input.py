@@ -20,6 +20,7 @@ from typing import Any
 from batchgen.io.rows import IdSet, InputRow, RowChecker, checked_request, error_row
 from batchgen.io.sources import JSONL_SUFFIXES, JsonlSource
 from batchgen.schema import (
+    INPUT_FORMATS,
     MAX_TOP_LOGPROBS,
     PROMPT_FIELDS,
     FieldError,
@@ -80,9 +81,6 @@ def detect_jsonl_format(path: Path, max_lines: int = 100) -> str:
         if isinstance(row.data, dict):
             return "openai" if looks_like_openai(row.data) else "batchgen"
     return "batchgen"
-
-
-INPUT_FORMATS = ("auto", "openai", "batchgen")
 
 
 def resolve_input_format(path: Path, requested: str = "auto") -> str:
