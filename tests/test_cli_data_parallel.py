@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests.child_processes import alive, children_of, still_alive_after
 from tests.test_cli_run import (
     JOB_OPTIONS,
     JOB_ROWS,
@@ -53,37 +54,6 @@ def test_two_replicas_write_one_output_with_one_engines_rows(job, tmp_path):
     assert "replica 0: " in done.stdout and "replica 1: " in done.stdout
 
 
-def _children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
-def _replicas_of(pid: int) -> list[int]:
-    """The live child processes of pid, less multiprocessing's resource tracker (which ends by itself
-    once its parent has exited)."""
-    def tracker(child: int) -> bool:
-        try:
-            return b"resource_tracker" in open(f"/proc/{child}/cmdline", "rb").read()
-        except OSError:
-            return False
-    return [p for p in _children_of(pid) if _alive(p) and not tracker(p)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_killed_parent_then_sigterm_then_a_rerun_give_every_row_once(job, tmp_path):
     """SIGKILL of the parent takes its replicas along; a rerun stopped by SIGTERM exits 75; the next
     rerun completes the job with every row exactly once and one engine's texts."""
@@ -92,14 +62,11 @@ def test_killed_parent_then_sigterm_then_a_rerun_give_every_row_once(job, tmp_pa
     process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS, *DP), env=environment(), cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_parts(process, tmp_path / "out.parquet.partial")
-    replicas = _replicas_of(process.pid)
+    replicas = children_of(process.pid)
     assert len(replicas) >= 2
     process.kill()
     process.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while any(_alive(p) for p in replicas) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in replicas), "a replica outlived its killed parent"
+    assert not still_alive_after(replicas), "a replica outlived its killed parent"
     saved = len(list((tmp_path / "out.parquet.partial").glob("part-*.parquet")))
     process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS, *DP), env=environment(), cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -125,7 +92,7 @@ def test_a_killed_replica_loses_no_row(job, tmp_path):
     process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS, *DP), env=environment(), cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_parts(process, tmp_path / "out.parquet.partial")
-    replicas = sorted(_replicas_of(process.pid))
+    replicas = sorted(children_of(process.pid))
     os.kill(replicas[-1], signal.SIGKILL)
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr
@@ -175,9 +142,9 @@ def test_a_worker_with_two_replicas_serves_the_queue(tmp_path_factory, tmp_path,
             table = submit_and_collect(batchgen, server.url(), "dp", src, tmp_path / "out.parquet")
             assert queue_texts(table) == queue_texts(reference)
             assert json.loads(table.schema.metadata[b"batchgen"])["rows"] == len(reference)
-            replicas = _replicas_of(worker.process.pid)
+            replicas = children_of(worker.process.pid)
             assert worker.stop() == 0, worker.log_path.read_text()[-3000:]
-            assert not any(_alive(p) for p in replicas)
+            assert not any(alive(p) for p in replicas)
         finally:
             worker.kill()
     finally:

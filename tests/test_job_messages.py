@@ -22,6 +22,7 @@ from rich.console import Console
 from batchgen import LLM, SamplingParams
 from batchgen.io import JobSpec, run_job
 from batchgen.progress import LogLines
+from tests.stopping_llm import StopAfterFirstResult
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,21 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
-
-
-class StopAfterFirstResult:
-    """The LLM, with a stop (as the CLI's SIGTERM handler sets it) right after its first result."""
-
-    def __init__(self, llm: LLM, stop_event: threading.Event) -> None:
-        self.llm, self.stop_event = llm, stop_event
-
-    def generate(self, requests, sampling=None, stop_event=None):
-        for result in self.llm.generate(requests, sampling, stop_event):
-            yield result
-            self.stop_event.set()
-
-    def __getattr__(self, name):
-        return getattr(self.llm, name)
 
 
 def test_a_stopped_run_counts_the_rows_its_rerun_skips(tiny_model, tmp_path):

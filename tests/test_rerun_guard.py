@@ -15,6 +15,7 @@ import pytest
 from batchgen import LLM, SamplingParams
 from batchgen.io import JobError, JobSpec, run_job
 from batchgen.io.resume import workdir_for
+from tests.stopping_llm import StopAfterFirstResult
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -87,21 +88,6 @@ def test_a_finished_output_of_an_input_edited_in_place_is_not_taken_for_complete
     assert run("--max-tokens", "2", "--overwrite").returncode == 0
     again = run("--max-tokens", "2")
     assert again.returncode == 0 and "already complete" in again.stdout
-
-
-class StopAfterFirstResult:
-    """The LLM, with a stop (as the CLI's SIGTERM handler sets it) right after its first result."""
-
-    def __init__(self, llm: LLM, stop_event: threading.Event) -> None:
-        self.llm, self.stop_event = llm, stop_event
-
-    def generate(self, requests, sampling=None, stop_event=None):
-        for result in self.llm.generate(requests, sampling, stop_event):
-            yield result
-            self.stop_event.set()
-
-    def __getattr__(self, name):
-        return getattr(self.llm, name)
 
 
 def test_a_leftover_of_an_input_edited_in_place_is_refused(tiny_model, tmp_path):

@@ -13,6 +13,7 @@ import pytest
 
 from batchgen import LLM, SamplingParams
 from batchgen.replicas import ReplicaError, prefix_key
+from tests.child_processes import alive, still_alive_after
 
 OPTIONS = dict(device="cpu", dtype="float32", max_num_seqs=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -123,14 +124,6 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
-
-
 def test_killed_parent_leaves_no_replicas(model_dir, tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
@@ -139,11 +132,8 @@ def test_killed_parent_leaves_no_replicas(model_dir, tmp_path):
     try:
         pids = json.loads(parent.stdout.readline())
         time.sleep(1.0)  # mid-generation
-        assert all(_alive(pid) for pid in pids)
+        assert all(alive(pid) for pid in pids)
     finally:
         parent.kill()
         parent.wait()
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids), f"orphaned replicas: {pids}"
+    assert not still_alive_after(pids), f"orphaned replicas: {pids}"

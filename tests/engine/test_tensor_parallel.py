@@ -19,6 +19,7 @@ import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.executor.tp_workers import TensorParallelError, TPWorkers
+from tests.child_processes import alive, still_alive_after
 from tests.tiny_models import VOCAB, load_hf, save_tokenizer
 
 DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
@@ -165,14 +166,6 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"  # a zombie has exited; only its parent's reaper is missing
-
-
 @pytest.mark.parametrize("device", FAILURE_DEVICES)
 def test_killed_parent_leaves_no_workers(device, tiny_model, tmp_path):
     script = tmp_path / "parent.py"
@@ -183,14 +176,11 @@ def test_killed_parent_leaves_no_workers(device, tiny_model, tmp_path):
     try:
         pids = json.loads(parent.stdout.readline())
         time.sleep(0.5)  # mid-generation
-        assert all(_alive(pid) for pid in pids)
+        assert all(alive(pid) for pid in pids)
     finally:
         parent.kill()
         parent.wait()
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids), f"orphaned workers: {pids}"
+    assert not still_alive_after(pids), f"orphaned workers: {pids}"
 
 
 def _sabotage(monkeypatch, at_step, action):
