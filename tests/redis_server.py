@@ -96,6 +96,15 @@ class RedisServer:
         return redis.Redis.from_url(self.url(), **self.client_options())
 
 
+def self_signed_tls(workdir: Path) -> dict:
+    """RedisServer's tls argument: a self-signed certificate for 127.0.0.1 (made with openssl), its own CA."""
+    cert, key = workdir / "cert.pem", workdir / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return {"cert": str(cert), "key": str(key), "ca": str(cert)}
+
+
 def start_server(tmp_path_factory, name: str = "redis") -> RedisServer:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does it)")

@@ -19,8 +19,10 @@ REPO = Path(__file__).resolve().parents[1]
 ROWS = 24
 
 
-def load_dag(monkeypatch) -> types.ModuleType:
-    """The DAG file, imported against a stand-in of the Airflow API it uses (Airflow is not installed)."""
+def load_dag(monkeypatch, bash_operator=None) -> types.ModuleType:
+    """The DAG file, imported against a stand-in of the Airflow API it uses (Airflow is not installed);
+    bash_operator: a stand-in of BashOperator that records what the DAG gives it (default: one that
+    records nothing)."""
 
     class DAG:
         def __init__(self, **kwargs):
@@ -39,7 +41,7 @@ def load_dag(monkeypatch) -> types.ModuleType:
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "airflow.sdk", types.SimpleNamespace(DAG=DAG))
     monkeypatch.setitem(sys.modules, "airflow.providers.standard.operators.bash",
-                        types.SimpleNamespace(BashOperator=BashOperator))
+                        types.SimpleNamespace(BashOperator=bash_operator or BashOperator))
     spec = importlib.util.spec_from_file_location("batchgen_dag", REPO / "jobs" / "airflow_dag.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import os
 import re
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import typer
 
 from batchgen.cli import app
+from tests.test_airflow_dag_shards import load_dag
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "jobs"
@@ -87,16 +86,6 @@ def test_airflow_dag_maps_one_task_per_shard(monkeypatch):
     """Imports the DAG file against a stand-in of the Airflow API it uses (Airflow is not installed here)."""
     expanded = {}
 
-    class DAG:
-        def __init__(self, **kwargs):
-            self.kwargs = kwargs
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
     class Partial:
         def __init__(self, **kwargs):
             self.kwargs = kwargs
@@ -108,16 +97,7 @@ def test_airflow_dag_maps_one_task_per_shard(monkeypatch):
     class BashOperator:
         partial = staticmethod(lambda **kwargs: Partial(**kwargs))
 
-    for name in ("airflow", "airflow.operators", "airflow.providers", "airflow.providers.standard",
-                 "airflow.providers.standard.operators"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "airflow.sdk", types.SimpleNamespace(DAG=DAG))
-    monkeypatch.setitem(sys.modules, "airflow.providers.standard.operators.bash",
-                        types.SimpleNamespace(BashOperator=BashOperator))
-    spec = importlib.util.spec_from_file_location("batchgen_dag", JOBS / "airflow_dag.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-
+    module = load_dag(monkeypatch, BashOperator)
     commands = expanded["bash_command"]
     assert len(commands) == module.NUM_SHARDS
     for i, cmd in enumerate(commands):

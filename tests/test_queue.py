@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import threading
 import time
 import urllib.request
@@ -28,7 +27,7 @@ from batchgen.queue.metrics import WorkerMetrics
 from batchgen.queue.protocol import GROUP, ensure_group
 from batchgen.queue.submit import SubmitError
 from batchgen.schema import SAMPLING_FIELDS
-from tests.redis_server import PASSWORD, USER, RedisServer, prefix, redis_server  # noqa: F401
+from tests.redis_server import PASSWORD, USER, RedisServer, prefix, redis_server, self_signed_tls  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 
@@ -547,17 +546,14 @@ def test_rediss_urls_connect_over_tls(tmp_path_factory):
     if shutil.which("redis-server") is None or shutil.which("openssl") is None:
         pytest.skip("needs redis-server and openssl")
     workdir = tmp_path_factory.mktemp("tls")
-    cert, key = workdir / "cert.pem", workdir / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    server = RedisServer(workdir, tls={"cert": str(cert), "key": str(key), "ca": str(cert)})
+    tls = self_signed_tls(workdir)
+    server = RedisServer(workdir, tls=tls)
     try:
         server.start()
     except RuntimeError:
         pytest.skip("this redis-server has no TLS")
     try:
-        client = connect(f"{server.url(USER, PASSWORD)}?ssl_ca_certs={cert}")
+        client = connect(f"{server.url(USER, PASSWORD)}?ssl_ca_certs={tls['ca']}")
         ensure_group(client, Keys("tls"))
         assert client.xinfo_groups("tls:requests")[0]["name"] == GROUP.encode()
     finally:

@@ -16,7 +16,7 @@ import pytest
 from redis.connection import parse_url
 
 from batchgen.queue import Keys, redact
-from tests.redis_server import RedisServer, prefix, start_server  # noqa: F401
+from tests.redis_server import RedisServer, prefix, self_signed_tls, start_server  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 # Unencoded '@' and ':' in it; each piece is looked for in the output on its own.
@@ -141,11 +141,8 @@ def test_rediss_with_a_password_prints_none(tmp_path_factory, prefix, batchgen):
     if shutil.which("redis-server") is None or shutil.which("openssl") is None:
         pytest.skip("needs redis-server and openssl")
     workdir = tmp_path_factory.mktemp("tls-secrets")
-    cert, key = workdir / "cert.pem", workdir / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    server = RedisServer(workdir, tls={"cert": str(cert), "key": str(key), "ca": str(cert)}, passwords=(SECRET,))
+    tls = self_signed_tls(workdir)
+    server = RedisServer(workdir, tls=tls, passwords=(SECRET,))
     try:
         server.start()
     except RuntimeError:
@@ -154,8 +151,8 @@ def test_rediss_with_a_password_prints_none(tmp_path_factory, prefix, batchgen):
     src.write_text('{"prompt": "hi"}\n')
     host, encoded = f"127.0.0.1:{server.port}", quote(SECRET, safe="")
     try:
-        for job, url in enumerate((f"rediss://:{SECRET}@{host}/0?ssl_ca_certs={cert}",
-                                   f"rediss://{host}/0?ssl_ca_certs={cert}&password={encoded}")):
+        for job, url in enumerate((f"rediss://:{SECRET}@{host}/0?ssl_ca_certs={tls['ca']}",
+                                   f"rediss://{host}/0?ssl_ca_certs={tls['ca']}&password={encoded}")):
             done = batchgen("submit", src, "--redis-url", url, "--prefix", prefix, "--job", f"j{job}")
             assert done.returncode == 0 and "1 requests added" in done.stdout, done.stderr
             assert_no_secret(*done[1:])
