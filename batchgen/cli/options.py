@@ -39,6 +39,18 @@ OPENAI = "OpenAI Batch API files"
 QUEUE = "Queue"
 
 
+def input_format_option(help: str):
+    """--input-format, as run and submit take it."""
+    return typer.Option(InputFormat.auto, "--input-format", envvar=_env("INPUT_FORMAT"), rich_help_panel=OPENAI,
+                        help=help)
+
+
+def served_model_name_option(help: str):
+    """--served-model-name, as run and submit take it (repeatable)."""
+    return typer.Option(None, "--served-model-name", envvar=_env("SERVED_MODEL_NAME"), rich_help_panel=OPENAI,
+                        metavar="NAME", help=help)
+
+
 def _option(name: str, annotation, default, *decls: str, panel: str, **kwargs) -> inspect.Parameter:
     """One command-line option that also reads BATCHGEN_<NAME>, as a parameter for `_with_options`."""
     option = typer.Option(default, *(decls or (f"--{name.replace('_', '-')}",)), envvar=_env(name.upper()),

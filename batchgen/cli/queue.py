@@ -27,6 +27,8 @@ from batchgen.cli.options import (
     OutputFormat,
     _env,
     _with_options,
+    input_format_option,
+    served_model_name_option,
 )
 from batchgen.cli.signals import _Signals
 
@@ -82,15 +84,10 @@ def submit(
     input: Path = typer.Argument(..., help="Prompts: a .jsonl file (one JSON object a line) or a .parquet file.",
                                  show_default=False),
     job: str = typer.Option(..., "--job", **JOB_NAME),
-    input_format: InputFormat = typer.Option(InputFormat.auto, "--input-format", envvar=_env("INPUT_FORMAT"),
-                                             rich_help_panel=OPENAI,
-                                             help="openai: INPUT is an OpenAI batch file; "
-                                                  "auto: told by its first line."),
-    served_model_name: Optional[list[str]] = typer.Option(None, "--served-model-name",
-                                                          envvar=_env("SERVED_MODEL_NAME"), rich_help_panel=OPENAI,
-                                                          metavar="NAME",
-                                                          help="The model names OpenAI lines may give in body.model "
-                                                               "(repeat for several). Default: any."),
+    input_format: InputFormat = input_format_option(
+        "openai: INPUT is an OpenAI batch file; auto: told by its first line."),
+    served_model_name: Optional[list[str]] = served_model_name_option(
+        "The model names OpenAI lines may give in body.model (repeat for several). Default: any."),
     options: dict = None,
 ) -> None:
     """Put every row of INPUT on the request stream as job NAME, for `batchgen worker`s to generate.

@@ -24,6 +24,8 @@ from batchgen.cli.options import (
     OutputFormat,
     _env,
     _with_options,
+    input_format_option,
+    served_model_name_option,
 )
 from batchgen.cli.signals import _Signals
 
@@ -51,20 +53,15 @@ def run(
                                         min=0.0, help="... or every this many seconds."),
     log_every: float = typer.Option(10.0, "--log-every", envvar=_env("LOG_EVERY"), rich_help_panel=JOB, min=0.0,
                                     help="Seconds between progress lines when stdout is not a terminal."),
-    input_format: InputFormat = typer.Option(InputFormat.auto, "--input-format", envvar=_env("INPUT_FORMAT"),
-                                             rich_help_panel=OPENAI,
-                                             help="openai: INPUT is an OpenAI batch file ({custom_id, method, url, "
-                                                  "body} lines); auto: told by its first line."),
+    input_format: InputFormat = input_format_option(
+        "openai: INPUT is an OpenAI batch file ({custom_id, method, url, body} lines); auto: told by its first line."),
     output_format: OutputFormat = typer.Option(OutputFormat.auto, "--output-format", envvar=_env("OUTPUT_FORMAT"),
                                                rich_help_panel=OPENAI,
                                                help="openai: the OpenAI batch output file (JSONL); "
                                                     "auto: openai for an OUTPUT named *.jsonl, else parquet."),
-    served_model_name: Optional[list[str]] = typer.Option(None, "--served-model-name",
-                                                          envvar=_env("SERVED_MODEL_NAME"), rich_help_panel=OPENAI,
-                                                          metavar="NAME",
-                                                          help="The model name OpenAI lines may give in body.model "
-                                                               "(repeat for several; the first is reported). "
-                                                               "Default: --model, or the default model's name."),
+    served_model_name: Optional[list[str]] = served_model_name_option(
+        "The model name OpenAI lines may give in body.model (repeat for several; the first is reported). "
+        "Default: --model, or the default model's name."),
     error_file: Optional[Path] = typer.Option(None, "--error-file", envvar=_env("ERROR_FILE"), rich_help_panel=OPENAI,
                                               help="OpenAI output: write failed lines here instead of into OUTPUT."),
     options: dict = None,
