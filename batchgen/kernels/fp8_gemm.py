@@ -1,0 +1,219 @@
+"""FP8 (e4m3) products: y = x @ W^T with x [T, K] in 16 bits and W [N, K] in float8_e4m3fn with its scales.
+
+Activations are rounded to e4m3 before the product, with one scale per token (dynamic), per group of
+128 columns (the block form), or the checkpoint's static scale:
+
+    s[t] = max(amax_k |x[t, k]|, MIN_AMAX) / 448      q[t, k] = e4m3(x[t, k] / s[t])
+    y[t, n] = sum_k q[t, k] * W[n, k] * s[t] * ws[n]                    (per-channel weight scale ws)
+    y[t, n] = sum_g s[t, g] * ws[n // 128, g] * sum_{k in g} q[t, k] * W[n, k]    (128x128 blocks)
+
+Per-channel weights take cuBLAS's row-wise scaled product (torch._scaled_mm); the block form a Triton
+kernel that applies each 128-column block's scales to its partial sum. The quantizing kernel may take
+an MLP's gate/up pair and round silu(gate) * up instead (the down projection's input).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_AMAX = 1e-6  # a row of zeros still gets a finite scale
+GROUP = 128  # the block form's K group (and N block) of published checkpoints
+
+
+# ---- torch references (also the CPU path's rounding) -------------------------------------------
+
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def quantize_ref(x: torch.Tensor, scale: torch.Tensor | None = None, group: int | None = None,
+                 silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (q [T, K] e4m3, scales fp32): per token [T, 1] (scale None, group None), per group of
+    `group` columns [T, ceil(K / group)], or the static scale given (returned as is). silu_mul: x is a
+    gate/up pair [T, 2K] and silu(gate) * up is rounded."""
+    x = silu_mul_ref(x) if silu_mul else x.float()
+    if scale is not None:
+        return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    T, K = x.shape
+    g = group or K
+    pad = (-K) % g
+    xg = torch.nn.functional.pad(x, (0, pad)).view(T, -1, g)
+    s = xg.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX  # [T, groups]
+    q = (xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(T, -1)[:, :K]
+    return q, s
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """The definition, in fp32: activations rounded as quantize_ref rounds them, weights dequantized."""
+    block = weight_scale.dim() == 2
+    q, s = quantize_ref(x, input_scale, GROUP if block else None, silu_mul)
+    xd = q.float()
+    if block:
+        xd = xd * s.repeat_interleave(GROUP, dim=1)[:, : q.shape[1]]
+        ws = weight_scale.repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)[: weight.shape[0], : weight.shape[1]]
+        wd = weight.float() * ws
+    else:
+        xd = xd * s
+        wd = weight.float() * weight_scale.float().view(-1, 1)
+    y = xd @ wd.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)
+
+
+def quantize_weight_ref(weight: torch.Tensor, block: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (e4m3 [N, K], scale fp32): per output channel [N], or per 128x128 block [N/128, K/128]
+    (rounded up), scale = amax / 448 (the published forms' and vLLM's)."""
+    w = weight.float()
+    if not block:
+        s = w.abs().amax(dim=1).clamp(min=MIN_AMAX) / FP8_MAX
+        return (w / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+    N, K = w.shape
+    pn, pk = (-N) % GROUP, (-K) % GROUP
+    wb = torch.nn.functional.pad(w, (0, pk, 0, pn)).view((N + pn) // GROUP, GROUP, (K + pk) // GROUP, GROUP)
+    s = wb.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (wb / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(N + pn, K + pk)[:N, :K]
+    return q.contiguous(), s
+
+
+# ---- Triton -------------------------------------------------------------------------------------
+
+@triton.jit
+def _row_values(x_ptr, offs, mask, K, SILU_MUL: tl.constexpr):
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        up = tl.load(x_ptr + offs + K, mask=mask, other=0.0).to(tl.float32)
+        x = x * tl.sigmoid(x) * up
+    return x
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, q_ptr, s_ptr, static_ptr, K, x_stride, q_stride, s_stride,
+    GROUP_K: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr, SILU_MUL: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+):
+    """One program per (row, group of GROUP_K columns): amax over the group, then the rounded values
+    (two passes over the group; the second reads it from L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    x_row = x_ptr + row * x_stride
+    start = g * GROUP_K
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, GROUP_K, BLOCK):
+            k = start + k0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(_row_values(x_row, k, k < K, K, SILU_MUL)))
+        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
+        tl.store(s_ptr + row * s_stride + g, scale)
+    for k0 in range(0, GROUP_K, BLOCK):
+        k = start + k0 + tl.arange(0, BLOCK)
+        mask = k < K
+        v = tl.clamp(_row_values(x_row, k, mask, K, SILU_MUL) / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * q_stride + k, v.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor | None = None, group: int | None = None,
+             silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_ref's rounding in one launch."""
+    T = x.shape[0]
+    K = x.shape[1] // 2 if silu_mul else x.shape[1]
+    q = torch.empty(T, K, dtype=FP8, device=x.device)
+    group_k = group or K
+    groups = triton.cdiv(K, group_k)
+    s = scale if scale is not None else torch.empty(T, groups, dtype=torch.float32, device=x.device)
+    if T:
+        block = min(triton.next_power_of_2(group_k), 2048)
+        _quantize_kernel[(T, groups)](
+            x, q, s, s, K, x.stride(0), q.stride(0), s.stride(0) if scale is None else 0,
+            GROUP_K=group_k, BLOCK=block, STATIC=scale is not None, SILU_MUL=silu_mul,
+            FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=4 if block >= 1024 else 2,
+        )
+    return q, s
+
+
+@triton.jit
+def _block_gemm_kernel(
+    q_ptr, s_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, M, N, K,
+    q_stride, s_stride, w_stride, ws_stride, y_stride,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+):
+    """y tile [BLOCK_M, BLOCK_N] (BLOCK_N divides GROUP_N): for each group of GROUP_K columns the fp8
+    dot, scaled by the rows' group scales and the weight block's scale, added in fp32."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, GROUP_K)
+    m_ok, n_ok = m < M, n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    n_block = (pid_n * BLOCK_N) // GROUP_N
+    for g in range(0, tl.cdiv(K, GROUP_K)):
+        k = g * GROUP_K + kk
+        k_ok = k < K
+        a = tl.load(q_ptr + m[:, None].to(tl.int64) * q_stride + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        b = tl.load(w_ptr + n[None, :].to(tl.int64) * w_stride + k[:, None], mask=n_ok[None, :] & k_ok[:, None],
+                    other=0.0)
+        a_s = tl.load(s_ptr + m * s_stride + g, mask=m_ok, other=0.0)
+        b_s = tl.load(ws_ptr + n_block * ws_stride + g)
+        acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None].to(tl.int64) * y_stride + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def block_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """q [M, K] e4m3 with group scales s [M, K/128] times W [N, K] with block scales [N/128, K/128]."""
+    M, K = q.shape
+    N = weight.shape[0]
+    y = torch.empty(M, N, dtype=out_dtype, device=q.device)
+    if M == 0:
+        return y
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    block_n = 128 if M > 64 else 64
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _block_gemm_kernel[grid](
+        q, s, weight, weight_scale, y, bias if bias is not None else y, M, N, K,
+        q.stride(0), s.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_K=GROUP, GROUP_N=GROUP,
+        num_warps=4, num_stages=3,
+    )
+    return y
+
+
+def _scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """cuBLAS's fp8 product wants K and N multiples of 16 (and a GPU of compute capability >= 8.9)."""
+    return x.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """x [T, K] (or a gate/up pair [T, 2K] with silu_mul) @ W^T -> [T, N] in out_dtype (x's dtype).
+    weight_scale: [N] per output channel, or [ceil(N/128), ceil(K/128)] blocks; input_scale: a static
+    per-tensor scale (0-dim), or None for dynamic rounding (per token; per 128-group for blocks)."""
+    out_dtype = out_dtype or x.dtype
+    block = weight_scale.dim() == 2
+    if not x.is_cuda:
+        return fp8_linear_ref(x, weight, weight_scale, input_scale, bias, out_dtype, silu_mul)
+    q, s = quantize(x, input_scale, GROUP if block and input_scale is None else None, silu_mul)
+    if block:
+        return block_gemm(q, s, weight, weight_scale, bias, out_dtype)
+    if not _scaled_mm_ok(x, weight):
+        return fp8_linear_ref(x, weight, weight_scale, input_scale, bias, out_dtype, silu_mul)
+    if input_scale is not None:  # row-wise scales on both sides: the static scale repeated per row
+        s = input_scale.reshape(1, 1).expand(q.shape[0], 1).contiguous()
+    return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.view(1, -1), bias=bias,
+                            out_dtype=out_dtype)

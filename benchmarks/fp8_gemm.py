@@ -1,0 +1,98 @@
+"""FP8 products against bf16 at real shapes, on one GPU: per product and row count, microseconds and
+TFLOP/s of bf16 (torch.mm), of the per-channel fp8 path (rounding kernel + cuBLAS's row-wise scaled
+product, and the product alone) and of the 128x128 block form (Triton), each checked against the fp32
+reference. Graph-replayed (100 calls a graph) so launch costs count as in the engine's graphs.
+
+    python benchmarks/fp8_gemm.py --model llama-3.1-8b --rows 1 64 256 2048
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from batchgen.kernels.fp8_gemm import GROUP, block_gemm, fp8_linear, fp8_linear_ref, quantize, quantize_weight_ref  # noqa: E402
+
+# name: {product: (N, K)}
+SHAPES = {
+    "llama-3.1-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "llama-3.2-1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
+}
+PEAK_FP8_TFLOPS = {"H200": 1979, "H100": 1979}  # dense, SXM
+CALLS = 100
+
+
+def time_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / CALLS)
+    return best
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=list(SHAPES), default="llama-3.1-8b")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 2048, 8192])
+    args = ap.parse_args(argv)
+    gpu = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_FP8_TFLOPS.items() if k in gpu), None)
+    torch.manual_seed(0)
+    for name, (N, K) in SHAPES[args.model].items():
+        w = torch.randn(N, K, device="cuda") * 0.02
+        wb = w.bfloat16()
+        wq, ws = quantize_weight_ref(w)
+        bq, bs = quantize_weight_ref(w, block=True)
+        del w
+        for rows in args.rows:
+            x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+            q, s = quantize(x)
+            gq, gs = quantize(x, group=GROUP)
+            flops = 2 * rows * N * K
+            line = {"gpu": gpu, "model": args.model, "product": name, "N": N, "K": K, "rows": rows}
+            for label, fn in {
+                "bf16": lambda: torch.mm(x, wb.t()),
+                "fp8": lambda: fp8_linear(x, wq, ws),
+                "fp8_mm_only": lambda: torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=ws.view(1, -1),
+                                                        out_dtype=torch.bfloat16),
+                "quantize_only": lambda: quantize(x),
+                "block": lambda: fp8_linear(x, bq, bs),
+                "block_mm_only": lambda: block_gemm(gq, gs, bq, bs, None, torch.bfloat16),
+            }.items():
+                us = time_us(fn)
+                line[f"{label}_us"] = round(us, 2)
+                if label != "quantize_only":
+                    line[f"{label}_tflops"] = round(flops / us / 1e6, 1)
+            line["fp8_vs_bf16"] = round(line["bf16_us"] / line["fp8_us"], 3)
+            line["block_vs_bf16"] = round(line["bf16_us"] / line["block_us"], 3)
+            if peak:
+                line["fp8_mm_pct_of_peak"] = round(100 * line["fp8_mm_only_tflops"] / peak, 1)
+                line["block_mm_pct_of_peak"] = round(100 * line["block_mm_only_tflops"] / peak, 1)
+            if rows <= 256:  # correctness against the fp32 reference
+                ref = fp8_linear_ref(x, wq, ws).float()
+                line["fp8_max_err"] = float((fp8_linear(x, wq, ws).float() - ref).abs().max())
+                refb = fp8_linear_ref(x, bq, bs).float()
+                line["block_max_err"] = float((fp8_linear(x, bq, bs).float() - refb).abs().max())
+                line["ref_abs_max"] = float(ref.abs().max())
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
