@@ -4,6 +4,10 @@ product, and the product alone) and of the 128x128 block form (Triton), each che
 reference. Graph-replayed (100 calls a graph) so launch costs count as in the engine's graphs.
 
     python benchmarks/fp8_gemm.py --model llama-3.1-8b --rows 1 64 256 2048
+
+--tune sweeps the Triton tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the per-channel and the
+block form at each row count and prints the best of each (kernels/fp8_gemm.py's CHANNEL_TILES and
+BLOCK_TILES come from these lines).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from batchgen.kernels.fp8_gemm import GROUP, block_gemm, fp8_linear, fp8_linear_ref, quantize, quantize_weight_ref  # noqa: E402
+from batchgen.kernels.fp8_gemm import GROUP, fp8_gemm, fp8_linear, fp8_linear_ref, quantize, quantize_weight_ref  # noqa: E402
 
 # name: {product: (N, K)}
 SHAPES = {
@@ -51,6 +55,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=list(SHAPES), default="llama-3.1-8b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 2048, 8192])
+    ap.add_argument("--tune", action="store_true", help="sweep the Triton tiles (see above)")
     args = ap.parse_args(argv)
     gpu = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_FP8_TFLOPS.items() if k in gpu), None)
@@ -74,7 +79,8 @@ def main(argv=None):
                                                         out_dtype=torch.bfloat16),
                 "quantize_only": lambda: quantize(x),
                 "block": lambda: fp8_linear(x, bq, bs),
-                "block_mm_only": lambda: block_gemm(gq, gs, bq, bs, None, torch.bfloat16),
+                "triton_mm_only": lambda: fp8_gemm(q, s, wq, ws, None, torch.bfloat16),
+                "block_mm_only": lambda: fp8_gemm(gq, gs, bq, bs, None, torch.bfloat16),
             }.items():
                 us = time_us(fn)
                 line[f"{label}_us"] = round(us, 2)
@@ -91,7 +97,28 @@ def main(argv=None):
                 refb = fp8_linear_ref(x, bq, bs).float()
                 line["block_max_err"] = float((fp8_linear(x, bq, bs).float() - refb).abs().max())
                 line["ref_abs_max"] = float(ref.abs().max())
+            if args.tune:
+                for form, (qq, ss, w8, sc) in {"channel": (q, s, wq, ws), "block": (gq, gs, bq, bs)}.items():
+                    timed = []
+                    for tile in candidate_tiles(rows, form == "block"):
+                        try:
+                            timed.append((time_us(lambda: fp8_gemm(qq, ss, w8, sc, None, torch.bfloat16, tile)), tile))
+                        except Exception:  # (out of shared memory)
+                            continue
+                    us, tile = min(timed)
+                    line[f"{form}_best_tile"], line[f"{form}_best_us"] = tile, round(us, 2)
             print(json.dumps(line), flush=True)
+
+
+def candidate_tiles(rows: int, blocks: bool) -> list[tuple]:
+    ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * rows)][-3:]
+    tiles = []
+    for bm in ms:
+        for bn in (32, 64, 128):
+            for bk in ((128,) if blocks else (128, 256)):
+                for stages in (3, 5):
+                    tiles.append((bm, bn, bk, 8 if bm * bn >= 64 * 128 else 4, stages))
+    return tiles
 
 
 if __name__ == "__main__":

@@ -141,56 +141,79 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | None = None, group: int | No
 
 
 @triton.jit
-def _block_gemm_kernel(
+def _fp8_gemm_kernel(
     q_ptr, s_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, M, N, K,
     q_stride, s_stride, w_stride, ws_stride, y_stride,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr,
-    GROUP_N: tl.constexpr,
+    BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
 ):
-    """y tile [BLOCK_M, BLOCK_N] (BLOCK_N divides GROUP_N): for each group of GROUP_K columns the fp8
-    dot, scaled by the rows' group scales and the weight block's scale, added in fp32."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """y tile [BLOCK_M, BLOCK_N] = sum over K of fp8 dots in fp32. BLOCKS: each BLOCK_K (= the group)
+    step's dot is scaled by the rows' group scales and the weight block's scale (BLOCK_N divides
+    GROUP_N); else the sum is scaled once, by the rows' and the channels' scales."""
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(0)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    kk = tl.arange(0, GROUP_K)
+    kk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = m < M, n < N
+    a_ptrs = q_ptr + m[:, None].to(tl.int64) * q_stride + kk[None, :]
+    b_ptrs = w_ptr + n[None, :].to(tl.int64) * w_stride + kk[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     n_block = (pid_n * BLOCK_N) // GROUP_N
-    for g in range(0, tl.cdiv(K, GROUP_K)):
-        k = g * GROUP_K + kk
-        k_ok = k < K
-        a = tl.load(q_ptr + m[:, None].to(tl.int64) * q_stride + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        b = tl.load(w_ptr + n[None, :].to(tl.int64) * w_stride + k[:, None], mask=n_ok[None, :] & k_ok[:, None],
-                    other=0.0)
-        a_s = tl.load(s_ptr + m * s_stride + g, mask=m_ok, other=0.0)
-        b_s = tl.load(ws_ptr + n_block * ws_stride + g)
-        acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+    for g in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = g * BLOCK_K + kk < K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if BLOCKS:
+            a_s = tl.load(s_ptr + m * s_stride + g, mask=m_ok, other=0.0)
+            b_s = tl.load(ws_ptr + n_block * ws_stride + g)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if not BLOCKS:
+        a_s = tl.load(s_ptr + m * s_stride, mask=m_ok, other=0.0)
+        acc *= a_s[:, None] * tl.load(ws_ptr + n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m[:, None].to(tl.int64) * y_stride + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def block_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """q [M, K] e4m3 with group scales s [M, K/128] times W [N, K] with block scales [N/128, K/128]."""
+# (most rows, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the first entry whose rows >= M
+CHANNEL_TILES = [(16, 16, 64, 256, 4, 4), (64, 64, 64, 256, 4, 4), (1 << 62, 128, 128, 128, 8, 3)]
+BLOCK_TILES = [(16, 16, 64, 128, 4, 4), (64, 64, 64, 128, 4, 4), (1 << 62, 64, 128, 128, 4, 3)]
+
+
+def fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype, tile: tuple | None = None) -> torch.Tensor:
+    """q [M, K] e4m3 with row scales s [M, 1] (or group scales [M, K/128] for a block-scaled W) times
+    W [N, K] with channel scales [N] (or block scales [N/128, K/128]) -> [M, N] in out_dtype.
+    tile: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), else from the tables."""
     M, K = q.shape
     N = weight.shape[0]
+    blocks = weight_scale.dim() == 2
     y = torch.empty(M, N, dtype=out_dtype, device=q.device)
     if M == 0:
         return y
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    block_n = 128 if M > 64 else 64
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _block_gemm_kernel[grid](
+    if tile is None:
+        tile = next(t for t in (BLOCK_TILES if blocks else CHANNEL_TILES) if M <= t[0])[1:]
+    block_m, block_n, block_k, warps, stages = tile
+    if s.numel() == 1:  # a static scale: the same for every row
+        s = s.reshape(1, 1).expand(M, 1)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+    _fp8_gemm_kernel[grid](
         q, s, weight, weight_scale, y, bias if bias is not None else y, M, N, K,
-        q.stride(0), s.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_K=GROUP, GROUP_N=GROUP,
-        num_warps=4, num_stages=3,
+        q.stride(0), s.stride(0), weight.stride(0), weight_scale.stride(0) if blocks else 0, y.stride(0),
+        BLOCKS=blocks, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=GROUP if blocks else block_k, GROUP_N=GROUP, num_warps=warps, num_stages=stages,
     )
     return y
+
+
+# From this many rows cuBLAS's row-wise scaled product is faster than the Triton tiles
+SCALED_MM_MIN_ROWS = 128
 
 
 def _scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -209,10 +232,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if not x.is_cuda:
         return fp8_linear_ref(x, weight, weight_scale, input_scale, bias, out_dtype, silu_mul)
     q, s = quantize(x, input_scale, GROUP if block and input_scale is None else None, silu_mul)
-    if block:
-        return block_gemm(q, s, weight, weight_scale, bias, out_dtype)
-    if not _scaled_mm_ok(x, weight):
-        return fp8_linear_ref(x, weight, weight_scale, input_scale, bias, out_dtype, silu_mul)
+    if block or x.shape[0] <= SCALED_MM_MIN_ROWS or not _scaled_mm_ok(x, weight):
+        return fp8_gemm(q, s, weight, weight_scale, bias, out_dtype)
     if input_scale is not None:  # row-wise scales on both sides: the static scale repeated per row
         s = input_scale.reshape(1, 1).expand(q.shape[0], 1).contiguous()
     return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.view(1, -1), bias=bias,

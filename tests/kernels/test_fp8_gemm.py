@@ -2,10 +2,18 @@
 import pytest
 import torch
 
-from tests.kernels.conftest import HAS_CUDA, INTERPRET
 from batchgen.kernels.fp8_gemm import (
-    FP8, GROUP, block_gemm, fp8_linear, fp8_linear_ref, quantize, quantize_ref, quantize_weight_ref,
+    CHANNEL_TILES,
+    FP8,
+    GROUP,
+    fp8_gemm,
+    fp8_linear,
+    fp8_linear_ref,
+    quantize,
+    quantize_ref,
+    quantize_weight_ref,
 )
+from tests.kernels.conftest import HAS_CUDA, INTERPRET
 
 
 def _x(shape, device, dtype=torch.float32, seed=0):
@@ -63,17 +71,28 @@ def test_weight_quantization_round_trips():
         torch.testing.assert_close(back, w, rtol=0.07, atol=0.03)
 
 
+@pytest.mark.parametrize("blocks", [False, True])
 @pytest.mark.parametrize("rows", [1, 17, 70])
-def test_block_gemm_matches_reference(device, rows):
+def test_fp8_gemm_matches_reference(device, rows, blocks):
+    """Awkward N and K (not multiples of the tiles or of 128), with a bias; each table's tiles."""
     w = _x((200, 300), "cpu", seed=1)
-    wq, ws = quantize_weight_ref(w, block=True)
+    wq, ws = quantize_weight_ref(w, block=blocks)
     x = _x((rows, 300), device, seed=2)
     bias = _x((200,), device, seed=3)
-    q, s = quantize_ref(x, group=GROUP)
-    q, s = q.to(device), s.to(device)
-    y = block_gemm(q, s, wq.to(device), ws.to(device), bias, torch.float32)
+    q, s = quantize_ref(x.cpu(), group=GROUP if blocks else None)
+    y = fp8_gemm(q.to(device), s.to(device), wq.to(device), ws.to(device), bias, torch.float32)
     ref = fp8_linear_ref(x.cpu(), wq, ws, bias=bias.cpu())
     torch.testing.assert_close(y.cpu(), ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("tile", [t[1:] for t in CHANNEL_TILES] + [(16, 32, 64, 4, 2)])
+def test_fp8_gemm_tiles_and_static_scale(device, tile):
+    wq, ws = quantize_weight_ref(_x((96, 200), "cpu", seed=5))
+    x = _x((20, 200), device, seed=6)
+    scale = torch.tensor(0.05)
+    q, _ = quantize_ref(x.cpu(), scale)
+    y = fp8_gemm(q.to(device), scale.to(device), wq.to(device), ws.to(device), None, torch.float32, tile)
+    torch.testing.assert_close(y.cpu(), fp8_linear_ref(x.cpu(), wq, ws, scale), rtol=1e-4, atol=1e-3)
 
 
 def test_fp8_linear_reference_is_the_cpu_path():
