@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.kernels.device import num_sms
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-6  # a row of zeros still gets a finite scale
@@ -181,9 +183,18 @@ def _fp8_gemm_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-# (most rows, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the first entry whose rows >= M
-CHANNEL_TILES = [(16, 16, 64, 256, 4, 4), (64, 64, 64, 256, 4, 4), (1 << 62, 128, 128, 128, 8, 3)]
-BLOCK_TILES = [(16, 16, 64, 128, 4, 4), (64, 64, 64, 128, 4, 4), (1 << 62, 64, 128, 128, 4, 3)]
+def pick_tile(M: int, N: int, K: int, blocks: bool, sms: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an [M, K] x [K, N] fp8 product (a fit of
+    benchmarks/fp8_gemm.py --tune on an H200): rows in tiles of 16, 64 or 128; the widest BLOCK_N that
+    still gives every SM a program; deeper pipelines for long rows."""
+    block_m = 16 if M <= 16 else 64 if M <= 128 or K >= 8192 else 128
+    block_k = GROUP if blocks or block_m == 128 else 256
+    warps = 8 if block_m == 128 else 4
+    rows = triton.cdiv(M, block_m)
+    block_n = next((n for n in (128, 64) if rows * triton.cdiv(N, n) >= sms), 32)
+    if block_m == 128:
+        block_n = 64
+    return block_m, block_n, block_k, warps, 5 if K >= 8192 else 3
 
 
 def fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -198,7 +209,7 @@ def fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scal
     if M == 0:
         return y
     if tile is None:
-        tile = next(t for t in (BLOCK_TILES if blocks else CHANNEL_TILES) if M <= t[0])[1:]
+        tile = pick_tile(M, N, K, blocks, num_sms(q.device) if q.is_cuda else 132)
     block_m, block_n, block_k, warps, stages = tile
     if s.numel() == 1:  # a static scale: the same for every row
         s = s.reshape(1, 1).expand(M, 1)
@@ -212,8 +223,10 @@ def fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scal
     return y
 
 
-# From this many rows cuBLAS's row-wise scaled product is faster than the Triton tiles
-SCALED_MM_MIN_ROWS = 128
+def takes_scaled_mm(M: int, N: int, K: int) -> bool:
+    """Whether cuBLAS's row-wise scaled product beats the Triton tiles (H200, --tune): past 256 rows,
+    and for wide products (an MLP's gate/up) past 64."""
+    return M > 256 or (M > 64 and N >= 16384)
 
 
 def _scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -232,7 +245,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if not x.is_cuda:
         return fp8_linear_ref(x, weight, weight_scale, input_scale, bias, out_dtype, silu_mul)
     q, s = quantize(x, input_scale, GROUP if block and input_scale is None else None, silu_mul)
-    if block or x.shape[0] <= SCALED_MM_MIN_ROWS or not _scaled_mm_ok(x, weight):
+    if block or not _scaled_mm_ok(x, weight) or not takes_scaled_mm(*x.shape[:1], *weight.shape):
         return fp8_gemm(q, s, weight, weight_scale, bias, out_dtype)
     if input_scale is not None:  # row-wise scales on both sides: the static scale repeated per row
         s = input_scale.reshape(1, 1).expand(q.shape[0], 1).contiguous()

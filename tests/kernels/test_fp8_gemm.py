@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from batchgen.kernels.fp8_gemm import (
-    CHANNEL_TILES,
     FP8,
     GROUP,
     fp8_gemm,
@@ -71,6 +70,12 @@ def test_weight_quantization_round_trips():
         torch.testing.assert_close(back, w, rtol=0.07, atol=0.03)
 
 
+def _assert_product_close(y, ref):
+    """fp32 sums of exact fp8 products; Hopper's fp8 dot adds its products with fewer bits than fp32."""
+    atol = 2e-3 * ref.abs().max().item() if HAS_CUDA else 1e-3
+    torch.testing.assert_close(y, ref, rtol=2e-3 if HAS_CUDA else 1e-4, atol=atol)
+
+
 @pytest.mark.parametrize("blocks", [False, True])
 @pytest.mark.parametrize("rows", [1, 17, 70])
 def test_fp8_gemm_matches_reference(device, rows, blocks):
@@ -80,19 +85,19 @@ def test_fp8_gemm_matches_reference(device, rows, blocks):
     x = _x((rows, 300), device, seed=2)
     bias = _x((200,), device, seed=3)
     q, s = quantize_ref(x.cpu(), group=GROUP if blocks else None)
-    y = fp8_gemm(q.to(device), s.to(device), wq.to(device), ws.to(device), bias, torch.float32)
-    ref = fp8_linear_ref(x.cpu(), wq, ws, bias=bias.cpu())
-    torch.testing.assert_close(y.cpu(), ref, rtol=1e-4, atol=1e-3)
+    for tile in (None, (16, 32, 256, 4, 3)) if not blocks else (None,):
+        y = fp8_gemm(q.to(device), s.to(device), wq.to(device), ws.to(device), bias, torch.float32, tile)
+        _assert_product_close(y.cpu(), fp8_linear_ref(x.cpu(), wq, ws, bias=bias.cpu()))
 
 
-@pytest.mark.parametrize("tile", [t[1:] for t in CHANNEL_TILES] + [(16, 32, 64, 4, 2)])
+@pytest.mark.parametrize("tile", [None, (16, 32, 256, 4, 3), (64, 64, 256, 4, 5), (128, 64, 128, 8, 3)])
 def test_fp8_gemm_tiles_and_static_scale(device, tile):
     wq, ws = quantize_weight_ref(_x((96, 200), "cpu", seed=5))
     x = _x((20, 200), device, seed=6)
     scale = torch.tensor(0.05)
     q, _ = quantize_ref(x.cpu(), scale)
     y = fp8_gemm(q.to(device), scale.to(device), wq.to(device), ws.to(device), None, torch.float32, tile)
-    torch.testing.assert_close(y.cpu(), fp8_linear_ref(x.cpu(), wq, ws, scale), rtol=1e-4, atol=1e-3)
+    _assert_product_close(y.cpu(), fp8_linear_ref(x.cpu(), wq, ws, scale))
 
 
 def test_fp8_linear_reference_is_the_cpu_path():
