@@ -62,7 +62,6 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D, at least 16
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
-    FP8_DOT: tl.constexpr,  # an fp8 pool read by fp8 products: q and p rounded to e4m3 (see fp8_dot)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_only_for_prior_kernels(PDL)  # (the next kernel starts as the programs finish reading: below)
@@ -99,14 +98,7 @@ def _decode_split_kernel(
         mask=group_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )  # [BLOCK_G, BLOCK_D]
-    if FP8_DOT:  # q_h = q_scale_h * e4m3(q_h / q_scale_h), q_scale_h = amax|q_h| / 448
-        q32 = q.to(tl.float32)
-        q_scale = tl.maximum(tl.max(tl.abs(q32), axis=1), 1e-6) / 448.0
-        q = (q32 / q_scale[:, None]).to(k_cache_ptr.dtype.element_ty)
-        qk_scale_h = q_scale * qk_scale  # [BLOCK_G]
-    else:
-        q = query_for_kv_dot(q, k_cache_ptr.dtype.element_ty)  # K/V are widened to q's dtype
-        qk_scale_h = tl.full([BLOCK_G], 1.0, dtype=tl.float32) * qk_scale
+    q = query_for_kv_dot(q, k_cache_ptr.dtype.element_ty)  # K/V are widened to q's dtype
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -120,16 +112,12 @@ def _decode_split_kernel(
         kv_mask = col_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
-        s = tl.where(col_mask[None, :], s * qk_scale_h[:, None], float("-inf"))
+        s = tl.where(col_mask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-        if FP8_DOT:  # (the sum adds the e4m3 weights the product multiplies)
-            p = p.to(v.dtype)
-            l_i = l_i * alpha + tl.sum(p.to(tl.float32), axis=1)
-        else:
-            l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -220,18 +208,9 @@ def pick_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: 
     return max(splits, 1)
 
 
-FP8_DOT = False  # see fp8_dot_default
-
-
-def fp8_dot_default(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether an fp8 pool is read by fp8 products (q rounded to e4m3 with a scale per query head, the
-    softmax weights rounded to e4m3 before the product with V) instead of widening K/V to fp16."""
-    return FP8_DOT and q.is_cuda and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
-
-
 def _decode_attention_launch(
     q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale,
-    num_splits, block_n, num_warps, num_stages, schedule=None, fp8_dot=None,
+    num_splits, block_n, num_warps, num_stages, schedule=None,
 ):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -269,7 +248,6 @@ def _decode_attention_launch(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FP8_DOT=fp8_dot_default(q, k_cache) if fp8_dot is None else fp8_dot,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,

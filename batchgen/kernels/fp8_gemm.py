@@ -185,16 +185,15 @@ def _fp8_gemm_kernel(
 
 def pick_tile(M: int, N: int, K: int, blocks: bool, sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an [M, K] x [K, N] fp8 product (a fit of
-    benchmarks/fp8_gemm.py --tune on an H200): rows in tiles of 16, 64 or 128; the widest BLOCK_N that
-    still gives every SM a program; deeper pipelines for long rows."""
-    block_m = 16 if M <= 16 else 64 if M <= 128 or K >= 8192 else 128
-    block_k = GROUP if blocks or block_m == 128 else 256
-    warps = 8 if block_m == 128 else 4
-    rows = triton.cdiv(M, block_m)
-    block_n = next((n for n in (128, 64) if rows * triton.cdiv(N, n) >= sms), 32)
-    if block_m == 128:
-        block_n = 64
-    return block_m, block_n, block_k, warps, 5 if K >= 8192 else 3
+    benchmarks/fp8_gemm.py --tune on an H200): up to 16 rows one row tile, as wide as still gives every
+    SM a program; then tiles of 64 x 64, and past 128 rows of 128 x 64; deeper pipelines for long rows."""
+    stages = 5 if K >= 8192 else 3
+    if M <= 16:
+        block_n = next((n for n in (128, 64) if triton.cdiv(N, n) >= sms), 32)
+        return 16, block_n, GROUP if blocks else 256, 4, stages
+    if M <= 128:
+        return 64, 64, GROUP if blocks else 256, 4, stages
+    return 128, 64, GROUP, 8, stages
 
 
 def fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
