@@ -1,0 +1,91 @@
+"""Decode attention over an fp8 KV pool against the bf16 pool on one GPU, at W-offline-like steps of
+llama-3.1-8b and llama-3.2-1b, over a few tiles (BLOCK_N, warps, stages) and split counts: microseconds,
+TB/s of K/V read, and the largest error against the bf16 reference of the same (fp8-rounded) K/V.
+
+    python benchmarks/fp8_decode_attention.py
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from batchgen.kernels.decode_attention import (  # noqa: E402
+    _decode_attention_launch,
+    decode_attention_ref,
+    pick_num_splits,
+    pick_tile,
+)
+from batchgen.kernels.device import num_sms  # noqa: E402
+
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "llama-3.2-1b": (32, 8, 64)}  # q heads, kv heads, head_dim
+
+
+def time_us(fn, calls: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / calls)
+    return best
+
+
+def main():
+    gpu = torch.cuda.get_device_name()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for model, (hq, hk, d) in SHAPES.items():
+        for batch, kv_len in [(64, 1024), (256, 1024), (256, 2048)]:
+            slots = batch * kv_len
+            k = torch.randn(slots, hk, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+            v = torch.randn(slots, hk, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+            k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+            kr, vr = k8.to(torch.bfloat16), v8.to(torch.bfloat16)  # what the fp8 pool holds
+            q = torch.randn(batch, hq, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+            table = torch.randperm(slots, device="cuda", generator=gen).int().view(batch, kv_len)
+            rows = torch.arange(batch, device="cuda", dtype=torch.int32)
+            lens = torch.full((batch,), kv_len, device="cuda", dtype=torch.int32)
+            scale = d ** -0.5
+            block_n, warps, stages = pick_tile(q.dtype, d, batch * hk, num_sms(q.device))
+            splits = pick_num_splits(batch, hk, kv_len, block_n, num_sms(q.device))
+            ref = decode_attention_ref(q, kr, vr, table, rows, lens, kv_len, scale).float()
+            line = {"gpu": gpu, "model": model, "batch": batch, "kv_len": kv_len}
+            for name, (kc, vc) in {"bf16": (k, v), "fp8": (k8, v8), "fp8_contiguous_slots": (k8, v8)}.items():
+                if name == "fp8_contiguous_slots":  # each sequence's slots in a row (random above)
+                    table = torch.arange(slots, device="cuda", dtype=torch.int32).view(batch, kv_len)
+                    ref = decode_attention_ref(q, kr, vr, table, rows, lens, kv_len, scale).float()
+                tiles = {(block_n, warps, stages, 1), (64, 4, 3, 1), (128, 4, 3, 1), (128, 8, 3, 1), (256, 4, 2, 1),
+                         (256, 8, 2, 1), (256, 8, 3, 1), (128, 4, 3, 2), (256, 8, 2, 2), (64, 4, 3, 2)}
+                for bn, w, st, more in tiles:
+                    def fn():
+                        return _decode_attention_launch(q, kc, vc, table, rows, lens, kv_len, scale,
+                                                        splits * more, bn, w, st)
+                    try:
+                        us = time_us(fn)
+                    except Exception as e:  # (a tile that does not fit)
+                        line[f"{name}_{bn}_{w}_{st}_error"] = str(e)[:80]
+                        continue
+                    line[f"{name}_{bn}_{w}_{st}_{more}_us"] = round(us, 1)
+                    if us < line.get(f"{name}_us", float("inf")):
+                        err = (fn().float() - ref).abs().max().item()
+                        kv_bytes = 2 * slots * hk * d * kc.element_size()
+                        line.update({f"{name}_us": round(us, 1), f"{name}_tile": [bn, w, st, more],
+                                     f"{name}_TBps": round(kv_bytes / us / 1e6, 2), f"{name}_max_err": round(err, 4)})
+            print(json.dumps(line), flush=True)
+            del k, v, k8, v8, kr, vr
+
+
+if __name__ == "__main__":
+    main()
