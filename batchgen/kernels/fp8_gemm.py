@@ -186,12 +186,13 @@ def _fp8_gemm_kernel(
 def pick_tile(M: int, N: int, K: int, blocks: bool, sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an [M, K] x [K, N] fp8 product (a fit of
     benchmarks/fp8_gemm.py --tune on an H200): up to 16 rows one row tile, as wide as still gives every
-    SM a program; then tiles of 64 x 64, and past 128 rows of 128 x 64; deeper pipelines for long rows."""
+    SM a program; then tiles of 64 x 64, and past 128 rows of 128 x 64 (64 x 64 for long rows); deeper
+    pipelines for long rows."""
     stages = 5 if K >= 8192 else 3
     if M <= 16:
         block_n = next((n for n in (128, 64) if triton.cdiv(N, n) >= sms), 32)
         return 16, block_n, GROUP if blocks else 256, 4, stages
-    if M <= 128:
+    if M <= 128 or K >= 8192:
         return 64, 64, GROUP if blocks else 256, 4, stages
     return 128, 64, GROUP, 8, stages
 
@@ -224,8 +225,8 @@ def fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scal
 
 def takes_scaled_mm(M: int, N: int, K: int) -> bool:
     """Whether cuBLAS's row-wise scaled product beats the Triton tiles (H200, --tune): past 256 rows,
-    and for wide products (an MLP's gate/up) past 64."""
-    return M > 256 or (M > 64 and N >= 16384)
+    for large weights (8B-sized: N x K >= 2^24) past 128, and for wide products (an MLP's gate/up) past 64."""
+    return M > 256 or (M > 128 and N * K >= 1 << 24) or (M > 64 and N >= 16384)
 
 
 def _scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
