@@ -28,6 +28,10 @@ W-node is W-offline's lengths over 1,024 requests through --data-parallel-size r
 tok/s and GPU busy, start-up against one's, and the imbalance at the end (the seconds between the
 first and the last replica going idle).
 
+--compare-fp8 adds, on the same rows: `--quantization fp8` (weights quantized per channel at load,
+activations per token), the same with an fp8 KV pool, and the 128x128-block checkpoint form (written
+here from the bf16 weights, as Qwen's and DeepSeek's FP8 checkpoints lay theirs out), each against bf16.
+
 W-json is W-short's requests (lengths, token-id prompts) with max_tokens 64 and a small JSON schema on
 every row (response_format); it is compared with the same requests unconstrained, each row's
 max_tokens set to what it generated under the schema (rows end when their grammar completes), so
@@ -122,6 +126,45 @@ def build_model(name: str, root: Path) -> Path:
     model.save_pretrained(path)
     save_tokenizer(path)
     del model
+    empty_cache()
+    return path
+
+
+def block_fp8_checkpoint(model_dir: Path) -> Path:
+    """A sibling of model_dir in HF's 128x128-block FP8 form: each layer's linear weight in e4m3 with its
+    weight_scale_inv grid, embeddings, norms and LM head as they are (quantized on the GPU, shard by shard)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from batchgen.kernels.fp8_gemm import quantize_weight_ref
+    from tests.fp8_checkpoints import quantization_config
+
+    path = model_dir.parent / f"{model_dir.name}-fp8-block"
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    for file in model_dir.iterdir():
+        if file.suffix != ".safetensors" and file.is_file():
+            shutil.copy(file, path / file.name)
+    for file in sorted(model_dir.glob("*.safetensors")):
+        out = {}
+        with safe_open(file, framework="pt", device=DEVICE) as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if name.startswith("model.layers.") and name.endswith("proj.weight"):
+                    out[name], out[name + "_scale_inv"] = quantize_weight_ref(tensor, block=True)
+                else:
+                    out[name] = tensor
+        save_file({k: v.contiguous().cpu() for k, v in out.items()}, path / file.name, metadata={"format": "pt"})
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():  # every shard's scales sit beside their weights
+        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map.update({k + "_scale_inv": v for k, v in list(weight_map.items())
+                           if k.startswith("model.layers.") and k.endswith("proj.weight")})
+        (path / index.name).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config("block")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     empty_cache()
     return path
 
@@ -452,6 +495,8 @@ def main(argv=None):
                     help="also run each workload with the prefix cache off (always done for W-prefix)")
     ap.add_argument("--compare-kv-fp8", action="store_true",
                     help="also run each workload with an fp8 KV cache (--kv-cache-dtype fp8)")
+    ap.add_argument("--compare-fp8", action="store_true",
+                    help="add --quantization fp8, it with an fp8 KV pool, and the 128-block checkpoint form")
     ap.add_argument("--json-out", help="append the JSON lines to this file (benchmarks/results/DEVICE-DATE.jsonl)")
     ap.add_argument("--plot", help="write a PNG bar chart of this run's lines")
     args = ap.parse_args(argv)
@@ -523,6 +568,18 @@ def main(argv=None):
                              "kv_cache_tokens": same_rows["kv_cache_tokens"],
                              "kv_fp8_kv_cache_tokens": fp8["kv_cache_tokens"],
                              "ratio_kv_fp8_vs_auto": round(fp8["tok_s"] / same_rows["tok_s"], 3)})
+            if args.compare_fp8:
+                for label, variant_options in (("fp8", {"quantization": "fp8"}),
+                                               ("fp8_kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"})):
+                    run = other(requests, **variant_options)
+                    line.update({f"{label}_tok_s": round(run["tok_s"], 1), f"{label}_runs_tok_s": run["runs_tok_s"],
+                                 f"{label}_kv_cache_tokens": run["kv_cache_tokens"],
+                                 f"ratio_{label}_vs_bf16": round(run["tok_s"] / same_rows["tok_s"], 3)})
+                block = run_batchgen(block_fp8_checkpoint(variant_dir), {workload: requests}, args.temperature,
+                                     args.tensor_parallel_size, repeats, args.warm_up)[workload]
+                line.update({"fp8_block_tok_s": round(block["tok_s"], 1), "fp8_block_runs_tok_s": block["runs_tok_s"],
+                             "ratio_fp8_block_vs_bf16": round(block["tok_s"] / same_rows["tok_s"], 3),
+                             "kv_cache_tokens": same_rows["kv_cache_tokens"]})
             if workload == "W-n":
                 # the same job as n separate rows a prompt: without the cache (each row prefills its prompt)
                 # and with it (the rows share the prompt through the cache, as n's samples do)
