@@ -1,0 +1,75 @@
+"""On a GPU: the fused MoE at the shapes of qwen3-30b-a3b (also its TP=2 shard) and mixtral-8x7b
+against its reference with the block sizes pick_config gives, both aligns (one Triton program, torch
+ops) at real sizes, and the router + fused MoE captured in a CUDA graph and replayed on new inputs."""
+import pytest
+import torch
+
+from batchgen.kernels.fused_moe import fused_moe, fused_moe_reference, select_experts
+from batchgen.kernels.moe_align import ONE_PROGRAM_MAX_PAIRS, moe_align_torch, moe_align_triton
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+QWEN3 = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
+QWEN3_TP2 = dict(QWEN3, inter=384)
+MIXTRAL = dict(num_experts=8, top_k=2, hidden=4096, inter=14336)
+TOLERANCE = dict(atol=3e-2, rtol=3e-2)  # bf16: the products sum in another order than the reference
+
+
+def layer(num_experts, top_k, hidden, inter, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen, device="cuda") / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen, device="cuda") / inter**0.5
+    return w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape,num_tokens", [(QWEN3, t) for t in (1, 16, 256, 2048)] + [(QWEN3_TP2, 64)]
+                         + [(MIXTRAL, t) for t in (1, 64)])
+def test_model_shapes(shape, num_tokens):
+    w13, w2 = layer(**shape)
+    torch.manual_seed(1)
+    x = torch.randn(num_tokens, shape["hidden"], device="cuda", dtype=torch.bfloat16)
+    weights, ids = select_experts(torch.randn(num_tokens, shape["num_experts"], device="cuda"), shape["top_k"], True)
+    got = fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, fused_moe_reference(x, w13, w2, weights, ids), **TOLERANCE)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(256, 128, 8, 16), (1024, 128, 8, 64),
+                                                                   (4096, 8, 2, 128), (300, 60, 4, 32)])
+def test_aligns_agree(num_tokens, num_experts, top_k, block_m):
+    torch.manual_seed(2)
+    ids = torch.randn(num_tokens, num_experts, device="cuda").topk(top_k, dim=-1).indices.int()
+    assert num_tokens * top_k <= ONE_PROGRAM_MAX_PAIRS
+    triton_ids, triton_blocks, triton_padded = moe_align_triton(ids, num_experts, block_m)
+    torch_ids, torch_blocks, torch_padded = moe_align_torch(ids, num_experts, block_m)
+    used = int(torch_padded)
+    assert torch.equal(triton_padded, torch_padded) and torch.equal(triton_blocks, torch_blocks)
+    assert torch.equal(triton_ids[:used], torch_ids[:used])
+
+
+@pytest.mark.parametrize("num_tokens", [4, 256, 2048])  # (2048 * 8 pairs: the torch align)
+def test_cuda_graph_replay(num_tokens):
+    """Router, align and products captured once, replayed on other tokens and logits: nothing in the
+    layer depends on values read back to the host."""
+    w13, w2 = layer(**QWEN3)
+    x = torch.zeros(num_tokens, QWEN3["hidden"], device="cuda", dtype=torch.bfloat16)
+    logits = torch.zeros(num_tokens, QWEN3["num_experts"], device="cuda")
+
+    def step():
+        weights, ids = select_experts(logits, QWEN3["top_k"], True)
+        return fused_moe(x, w13, w2, weights, ids)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (compiles and allocator warm-up outside the capture)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn_like(x))
+        logits.copy_(torch.randn_like(logits) * 2)
+        graph.replay()
+        weights, ids = select_experts(logits, QWEN3["top_k"], True)
+        torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, weights, ids), **TOLERANCE)
