@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from batchgen.kernels.device import device_index, pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import device_index, num_sms, pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.moe_align import moe_align
 
 
@@ -48,13 +48,20 @@ class MoeConfig(NamedTuple):
 TUNED: dict[tuple[str, int, int, int, int], dict[int, MoeConfig]] = {}
 
 
-def default_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int) -> MoeConfig:
+def default_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
+                   sms: int = 132) -> MoeConfig:
     """Block sizes by the pairs an expert gets on average: 16-slot blocks while that is a few (decode:
-    the products stream the touched experts' weights, wide K steps keep many loads in flight), larger
-    blocks once the products have rows enough to be bound by the tensor cores."""
+    the products stream the touched experts' weights; wide K steps keep many loads in flight, and
+    32-column tiles where 64 would leave fewer than two programs an SM), larger blocks once the
+    products have rows enough to be bound by the tensor cores."""
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= 16:
-        return MoeConfig(16, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 4))
+        blocks = min(num_tokens * top_k, num_experts)  # about one block an expert hit
+
+        def columns(n: int) -> int:
+            return 64 if blocks * triton.cdiv(n, 64) >= 2 * sms else 32
+
+        return MoeConfig(16, GemmTile(columns(inter), 128, 4, 4), GemmTile(columns(hidden), 128, 4, 4))
     if per_expert <= 48:
         return MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 4))
     if per_expert <= 128:
@@ -68,13 +75,25 @@ def _device_name(index: int) -> str:
 
 
 def pick_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
-                device: torch.device) -> MoeConfig:
+                device: torch.device, dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
     """TUNED's entry for this GPU and shape at the nearest tuned batch at or above num_tokens, else
-    default_config."""
-    name = _device_name(device_index(device)) if device.type == "cuda" else device.type
+    default_config; for fp32 (tests, tiny models) with half the K step and at most 3 stages, so its
+    tiles take the shared memory 16-bit ones do."""
+    config = _pick_16bit_config(num_tokens, hidden, inter, num_experts, top_k, device)
+    if dtype.itemsize <= 2:
+        return config
+    gate_up, down = (tile._replace(block_k=max(16, tile.block_k // 2), stages=min(tile.stages, 3))
+                     for tile in (config.gate_up, config.down))
+    return MoeConfig(config.block_m, gate_up, down)
+
+
+def _pick_16bit_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
+                       device: torch.device) -> MoeConfig:
+    is_cuda = device.type == "cuda"
+    name = _device_name(device_index(device)) if is_cuda else device.type
     by_tokens = TUNED.get((name, hidden, inter, num_experts, top_k))
     if not by_tokens:
-        return default_config(num_tokens, hidden, inter, num_experts, top_k)
+        return default_config(num_tokens, hidden, inter, num_experts, top_k, num_sms(device) if is_cuda else 132)
     at_or_above = [t for t in by_tokens if t >= num_tokens]
     return by_tokens[min(at_or_above) if at_or_above else max(by_tokens)]
 
@@ -278,7 +297,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     assert x.shape[0] == num_tokens and topk_weights.shape == topk_ids.shape
     if num_tokens == 0:
         return torch.empty_like(x)
-    config = config or pick_config(num_tokens, hidden, two_inter // 2, num_experts, top_k, x.device)
+    config = config or pick_config(num_tokens, hidden, two_inter // 2, num_experts, top_k, x.device, x.dtype)
     aligned = moe_align(topk_ids, num_experts, config.block_m)
     h = gate_up_silu(x, w13, top_k, aligned, config.block_m, config.gate_up)
     y = down_weighted(h, w2, topk_weights, aligned, config.block_m, config.down)

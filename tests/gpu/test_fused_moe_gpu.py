@@ -12,25 +12,29 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 QWEN3 = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
 QWEN3_TP2 = dict(QWEN3, inter=384)
 MIXTRAL = dict(num_experts=8, top_k=2, hidden=4096, inter=14336)
-TOLERANCE = dict(atol=3e-2, rtol=3e-2)  # bf16: the products sum in another order than the reference
+TINY = dict(num_experts=4, top_k=2, hidden=64, inter=48)  # (a tiny test model's, in fp32)
+# the products sum in another order than the reference
+TOLERANCE = {torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
 
 
-def layer(num_experts, top_k, hidden, inter, seed=0):
+def layer(num_experts, top_k, hidden, inter, seed=0, dtype=torch.bfloat16):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen, device="cuda") / hidden**0.5
     w2 = torch.randn(num_experts, hidden, inter, generator=gen, device="cuda") / inter**0.5
-    return w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+    return w13.to(dtype), w2.to(dtype)
 
 
-@pytest.mark.parametrize("shape,num_tokens", [(QWEN3, t) for t in (1, 16, 256, 2048)] + [(QWEN3_TP2, 64)]
-                         + [(MIXTRAL, t) for t in (1, 64)])
-def test_model_shapes(shape, num_tokens):
-    w13, w2 = layer(**shape)
+@pytest.mark.parametrize("shape,num_tokens,dtype", [(QWEN3, t, torch.bfloat16) for t in (1, 16, 256, 2048)]
+                         + [(QWEN3_TP2, 64, torch.bfloat16), (QWEN3, 16, torch.float32), (TINY, 3, torch.float32)]
+                         + [(MIXTRAL, t, torch.bfloat16) for t in (1, 64)])
+def test_model_shapes(shape, num_tokens, dtype):
+    """pick_config's tiles (fp32: half the K step) against the reference."""
+    w13, w2 = layer(**shape, dtype=dtype)
     torch.manual_seed(1)
-    x = torch.randn(num_tokens, shape["hidden"], device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(num_tokens, shape["hidden"], device="cuda", dtype=dtype)
     weights, ids = select_experts(torch.randn(num_tokens, shape["num_experts"], device="cuda"), shape["top_k"], True)
     got = fused_moe(x, w13, w2, weights, ids)
-    torch.testing.assert_close(got, fused_moe_reference(x, w13, w2, weights, ids), **TOLERANCE)
+    torch.testing.assert_close(got, fused_moe_reference(x, w13, w2, weights, ids), **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(256, 128, 8, 16), (1024, 128, 8, 64),
@@ -72,4 +76,4 @@ def test_cuda_graph_replay(num_tokens):
         logits.copy_(torch.randn_like(logits) * 2)
         graph.replay()
         weights, ids = select_experts(logits, QWEN3["top_k"], True)
-        torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, weights, ids), **TOLERANCE)
+        torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, weights, ids), **TOLERANCE[torch.bfloat16])
