@@ -11,7 +11,7 @@ fused_moe_reference, then timed with CUDA events (warm-up first: Triton compiles
             per call;
   us_eager  one eager call (with Python's launch cost of the align, two products and the sum);
   ref_us    fused_moe_reference, eager;
-  align_us  the align alone in a graph: the one-program Triton kernel and the torch ops.
+  align_us  the align alone in a graph: the Triton kernels and the torch ops.
 Bytes are the touched experts' weights read once (distinct experts hit * 3 * H * I * 2) plus x read and
 the output written; GB/s is those over `us`, bw_frac over the GPU's bandwidth (H200 4.8 TB/s, H100
 3.35 TB/s, by torch.cuda.get_device_name). The issue's target: T = 256 at >= 0.70 of it.

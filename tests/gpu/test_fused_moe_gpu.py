@@ -1,11 +1,11 @@
 """On a GPU: the fused MoE at the shapes of qwen3-30b-a3b (also its TP=2 shard) and mixtral-8x7b
-against its reference with the block sizes pick_config gives, both aligns (one Triton program, torch
-ops) at real sizes, and the router + fused MoE captured in a CUDA graph and replayed on new inputs."""
+against its reference with the block sizes pick_config gives, both aligns (the Triton kernels, the
+torch ops) at real sizes, and the router + fused MoE captured in a CUDA graph and replayed on new inputs."""
 import pytest
 import torch
 
 from batchgen.kernels.fused_moe import fused_moe, fused_moe_reference, select_experts
-from batchgen.kernels.moe_align import ONE_PROGRAM_MAX_PAIRS, moe_align_torch, moe_align_triton
+from batchgen.kernels.moe_align import TRITON_MAX_PAIRS, moe_align_torch, moe_align_triton
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -42,7 +42,7 @@ def test_model_shapes(shape, num_tokens, dtype):
 def test_aligns_agree(num_tokens, num_experts, top_k, block_m):
     torch.manual_seed(2)
     ids = torch.randn(num_tokens, num_experts, device="cuda").topk(top_k, dim=-1).indices.int()
-    assert num_tokens * top_k <= ONE_PROGRAM_MAX_PAIRS
+    assert num_tokens * top_k <= TRITON_MAX_PAIRS
     triton_ids, triton_blocks, triton_padded = moe_align_triton(ids, num_experts, block_m)
     torch_ids, torch_blocks, torch_padded = moe_align_torch(ids, num_experts, block_m)
     used = int(torch_padded)

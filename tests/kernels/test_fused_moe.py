@@ -88,15 +88,17 @@ def test_reference_is_the_formula():
 
 
 # (T, E, k, routing, BLOCK_M): one chunk of pairs; an empty expert; all on one expert; pairs in
-# several chunks (128 experts: 64 pairs a chunk); 32-slot blocks
+# several chunks (128 experts: 64 pairs a chunk), and in more chunks than a step of the counts' sum
+# takes (32); 32-slot blocks
 ALIGN_CASES = [(1, 4, 1, "random", 16), (17, 8, 2, "random", 16), (17, 8, 2, "skip_first", 16),
-               (17, 4, 1, "one_expert", 16), (40, 128, 8, "random", 16), (3, 8, 2, "random", 32)]
+               (17, 4, 1, "one_expert", 16), (40, 128, 8, "random", 16), (300, 128, 8, "random", 16),
+               (3, 8, 2, "random", 32)]
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,kind,block_m", ALIGN_CASES)
 def test_moe_align(device, num_tokens, num_experts, top_k, kind, block_m):
     """Each expert's pairs, ascending, at slots from the padded counts' prefix sums, the sentinel
-    T*k in the padding, each block's expert; the one-program kernel and the torch ops agree."""
+    T*k in the padding, each block's expert; the Triton kernels and the torch ops agree."""
     topk_ids = routing(num_tokens, num_experts, top_k, kind).to(device)
     sorted_ids, block_expert, num_padded = moe_align_torch(topk_ids, num_experts, block_m)
     num_pairs = num_tokens * top_k
