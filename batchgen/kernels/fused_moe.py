@@ -43,6 +43,8 @@ class MoeConfig(NamedTuple):
     down: GemmTile
 
 
+GROUP_M = tl.constexpr(8)  # blocks whose column tiles run together (_program_tile)
+
 # (GPU name, H, I, E, k) -> {T: config}: block sizes timed best by benchmarks/fused_moe.py --tune; a
 # batch of T tokens takes the entry of the nearest tuned T at or above it (else the largest)
 TUNED: dict[tuple[str, int, int, int, int], dict[int, MoeConfig]] = {}
@@ -52,21 +54,22 @@ def default_config(num_tokens: int, hidden: int, inter: int, num_experts: int, t
                    sms: int = 132) -> MoeConfig:
     """Block sizes by the pairs an expert gets on average: 16-slot blocks while that is a few (decode:
     the products stream the touched experts' weights; wide K steps keep many loads in flight, and
-    32-column tiles where 64 would leave fewer than two programs an SM), larger blocks once the
-    products have rows enough to be bound by the tensor cores."""
+    32-column tiles where 64 would leave fewer than two programs an SM), larger blocks as the
+    products get rows enough to be bound by the tensor cores (an expert's weights then read by fewer
+    blocks)."""
     per_expert = num_tokens * top_k / num_experts
-    if per_expert <= 16:
+    if per_expert <= 8:
         blocks = min(num_tokens * top_k, num_experts)  # about one block an expert hit
 
         def columns(n: int) -> int:
             return 64 if blocks * triton.cdiv(n, 64) >= 2 * sms else 32
 
         return MoeConfig(16, GemmTile(columns(inter), 128, 4, 4), GemmTile(columns(hidden), 128, 4, 4))
-    if per_expert <= 48:
-        return MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 4))
-    if per_expert <= 128:
-        return MoeConfig(64, GemmTile(64, 64, 4, 3), GemmTile(64, 64, 4, 4))
-    return MoeConfig(128, GemmTile(64, 64, 8, 3), GemmTile(128, 64, 8, 3))
+    if per_expert <= 32:
+        return MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3))
+    if per_expert <= 96:
+        return MoeConfig(64, GemmTile(64, 64, 4, 4), GemmTile(128, 64, 4, 4))
+    return MoeConfig(128, GemmTile(128, 64, 8, 3), GemmTile(128, 64, 8, 4))
 
 
 @functools.cache
@@ -96,6 +99,19 @@ def _pick_16bit_config(num_tokens: int, hidden: int, inter: int, num_experts: in
         return default_config(num_tokens, hidden, inter, num_experts, top_k, num_sms(device) if is_cuda else 132)
     at_or_above = [t for t in by_tokens if t >= num_tokens]
     return by_tokens[min(at_or_above) if at_or_above else max(by_tokens)]
+
+
+@triton.jit
+def _program_tile(max_blocks, num_cols, BLOCK_N: tl.constexpr):
+    """This program's (block, column tile): the column tiles of GROUP_M blocks together, blocks fastest
+    within a group, so programs running side by side share the blocks' rows and the experts' weight
+    tiles through the L2."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(num_cols, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_block = pid // per_group * GROUP_M
+    group_blocks = tl.minimum(max_blocks - first_block, GROUP_M)
+    return first_block + pid % per_group % group_blocks, pid % per_group // group_blocks
 
 
 @triton.jit
@@ -157,9 +173,7 @@ def _gate_up_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (tf32 would round them to 10 bits)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
-    pid = tl.program_id(0)
-    pid_m = pid % max_blocks  # (blocks fastest: the blocks of one expert share a W tile through the L2)
-    pid_n = pid // max_blocks
+    pid_m, pid_n = _program_tile(max_blocks, inter, BLOCK_N)
     wait_for_prior_kernels(PDL)  # the align wrote the slots
     expert, pairs = _block_slots(sorted_ids_ptr, block_expert_ptr, num_padded_ptr, pid_m, BLOCK_M)
     if expert < 0:
@@ -215,9 +229,7 @@ def _down_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
-    pid = tl.program_id(0)
-    pid_m = pid % max_blocks
-    pid_n = pid // max_blocks
+    pid_m, pid_n = _program_tile(max_blocks, hidden, BLOCK_N)
     wait_for_prior_kernels(PDL)  # h is the kernel before's output
     expert, pairs = _block_slots(sorted_ids_ptr, block_expert_ptr, num_padded_ptr, pid_m, BLOCK_M)
     if expert < 0:

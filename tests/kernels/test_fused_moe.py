@@ -144,9 +144,9 @@ def test_pick_config(monkeypatch):
     assert [pick_config(t, 2048, 768, 128, 8, cpu) for t in (1, 2, 64, 65, 4096)] == [
         tuned[1], tuned[64], tuned[64], tuned[1024], tuned[1024]]
     assert pick_config(1, 4096, 14336, 8, 2, cpu) == default_config(1, 4096, 14336, 8, 2)
-    assert [default_config(t, 2048, 768, 128, 8).block_m for t in (1, 256, 1024, 4096)] == [16, 16, 64, 128]
+    assert [default_config(t, 2048, 768, 128, 8).block_m for t in (1, 128, 256, 1024, 4096)] == [16, 16, 32, 64, 128]
     # one token's 8 experts: 32-column tiles give the products' programs two an SM
     assert default_config(1, 2048, 768, 128, 8, sms=132).gate_up.block_n == 32
-    assert default_config(256, 2048, 768, 128, 8, sms=132).gate_up.block_n == 64
+    assert default_config(128, 2048, 768, 128, 8, sms=132).gate_up.block_n == 64
     fp32 = pick_config(64, 2048, 768, 128, 8, cpu, torch.float32)  # the shared memory of 16-bit tiles
     assert fp32.gate_up == tuned[64].gate_up._replace(block_k=32) and fp32.down.block_k == 32
