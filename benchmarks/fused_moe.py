@@ -11,7 +11,9 @@ fused_moe_reference, then timed with CUDA events (warm-up first: Triton compiles
             per call;
   us_eager  one eager call (with Python's launch cost of the align, two products and the sum);
   ref_us    fused_moe_reference, eager;
-  align_us  the align alone in a graph: the Triton kernels and the torch ops.
+  align_us  the align alone in a graph: the Triton kernels and the torch ops (`us` includes the one
+            moe_align picks);
+  router_us select_experts alone in a graph (not in `us`).
 Bytes are the touched experts' weights read once (distinct experts hit * 3 * H * I * 2) plus x read and
 the output written; GB/s is those over `us`, bw_frac over the GPU's bandwidth (H200 4.8 TB/s, H100
 3.35 TB/s, by torch.cuda.get_device_name). The issue's target: T = 256 at >= 0.70 of it.
@@ -139,11 +141,13 @@ def bench(model, shape, layers, num_tokens, peak):
                             x.device)
     align_triton = graph_us([lambda: moe_align_triton(ids, shape["num_experts"], config.block_m)] * 8)
     align_torch = graph_us([lambda: moe_align_torch(ids, shape["num_experts"], config.block_m)] * 8)
+    logits = torch.randn(num_tokens, shape["num_experts"], device=DEVICE)
+    router = graph_us([lambda: select_experts(logits, shape["top_k"], True)] * 8)
     nbytes = touched_bytes(ids, num_tokens, shape["hidden"], shape["inter"])
     record = dict(model=model, inter=shape["inter"], T=num_tokens, experts_hit=ids.unique().numel(),
                   mbytes=round(nbytes / 1e6, 1), us=round(us, 1), us_eager=round(us_eager, 1),
                   ref_us=round(ref_us, 1), align_triton_us=round(align_triton, 1),
-                  align_torch_us=round(align_torch, 1), gbps=round(nbytes / us / 1e3, 1),
+                  align_torch_us=round(align_torch, 1), router_us=round(router, 1), gbps=round(nbytes / us / 1e3, 1),
                   ref_gbps=round(nbytes / ref_us / 1e3, 1), max_err=round(max_err, 4), ok=ok,
                   config=repr(tuple(config)))
     if peak:
@@ -235,12 +239,12 @@ def main():
         del layers
         torch.cuda.empty_cache()
     print(f"\n{'model':<15}{'I':>6}{'T':>6}{'hit':>5}{'MB':>9}{'us':>9}{'eager':>9}{'GB/s':>8}{'frac':>7}"
-          f"{'ref us':>10}{'align us (triton/torch)':>26}  ok")
+          f"{'ref us':>10}{'align us (triton/torch)':>26}{'router':>8}  ok")
     for r in RECORDS:
         if "us_eager" in r:
             print(f"{r['model']:<15}{r['inter']:>6}{r['T']:>6}{r['experts_hit']:>5}{r['mbytes']:>9}{r['us']:>9}"
                   f"{r['us_eager']:>9}{r['gbps']:>8}{r.get('bw_frac', '-'):>7}{r['ref_us']:>10}"
-                  f"{r['align_triton_us']:>15} / {r['align_torch_us']:<8}  {r['ok']}")
+                  f"{r['align_triton_us']:>15} / {r['align_torch_us']:<8}{r['router_us']:>8}  {r['ok']}")
     if tuned:
         print("\n# fused_moe.TUNED entries (benchmarks/fused_moe.py --tune):")
         for key, by_tokens in tuned.items():
