@@ -9,10 +9,10 @@ two grouped products take a block of one expert's pairs against that expert's we
   1. `_gate_up_kernel`: h[p] = silu(x[t] Wg^T) * (x[t] Wu^T) for pair p = t * k + j, a gate and an up
      accumulator a program (gate and up rounded to x's dtype, as tile_gemm's SILU_MUL_OUT), [T*k, I];
   2. `_down_kernel`: y[p] = w[p] * (h[p] Wd^T) in x's dtype, [T*k, H];
-  3. out = y.view(T, k, H).sum(1): one torch reduction (fp32 sums), no atomics: a token's result does
-     not depend on the rest of the batch.
-A block reads its expert's weight tile once for all its slots; at decode (a few pairs an expert)
-BLOCK_M is 16 and each touched expert's weights are streamed about once. Block sizes come from
+  3. out = y.view(T, k, H).sum(1): one torch reduction (fp32 sums). No atomics anywhere: the same
+     inputs give the same bits, and a token's sums do not depend on where its pairs sit in a block.
+A block reads its expert's weight tile once for all its slots; at decode (a few pairs an expert,
+16- or 32-slot blocks) each touched expert's weights are streamed about once. Block sizes come from
 TUNED (benchmarks/fused_moe.py --tune prints its entries) or `default_config`. Nothing is read back
 to the host: the whole layer is CUDA-graph capturable.
 """
