@@ -75,6 +75,20 @@ def test_fused_moe_default_config(device, assert_close, dtype):
     assert_close(got, fused_moe_reference(x, w13, w2, topk_weights, topk_ids), scale=2)
 
 
+def test_fused_moe_strided_rows(device, assert_close):
+    """x a column slice of a wider tensor (rows apart by more than H) and experts' weights views of
+    larger ones (rows and experts apart by more than their sizes)."""
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(5, 4, 2, 32, 24, torch.float32, device)
+    wide_x = torch.randn(5, 48, device=device)
+    wide_x[:, :32] = x
+    wide_w13 = torch.randn(4, 64, 40, device=device)
+    wide_w13[:, :48, :32] = w13
+    wide_w2 = torch.randn(4, 40, 24, device=device)
+    wide_w2[:, :32] = w2
+    got = fused_moe_triton(wide_x[:, :32], wide_w13[:, :48, :32], wide_w2[:, :32], topk_weights, topk_ids, SMALL)
+    assert_close(got, fused_moe_reference(x, w13, w2, topk_weights, topk_ids), scale=2)
+
+
 def test_reference_is_the_formula():
     """out[t] = sum_j w[t, j] * (silu(x[t] Wg^T) * (x[t] Wu^T)) Wd^T, token by token, in fp32."""
     x, w13, w2, topk_weights, topk_ids = moe_inputs(6, 4, 2, 16, 12, torch.float32, "cpu")
@@ -87,10 +101,10 @@ def test_reference_is_the_formula():
     torch.testing.assert_close(fused_moe_reference(x, w13, w2, topk_weights, topk_ids), want)
 
 
-# (T, E, k, routing, BLOCK_M): one chunk of pairs; an empty expert; all on one expert; pairs in
-# several chunks (128 experts: 64 pairs a chunk), and in more chunks than a step of the counts' sum
-# takes (32); 32-slot blocks
-ALIGN_CASES = [(1, 4, 1, "random", 16), (17, 8, 2, "random", 16), (17, 8, 2, "skip_first", 16),
+# (T, E, k, routing, BLOCK_M): one chunk of pairs; 6 experts (not a power of two); an empty expert;
+# all on one expert; pairs in several chunks (128 experts: 64 pairs a chunk), and in more chunks than
+# a step of the counts' sum takes (32); 32-slot blocks
+ALIGN_CASES = [(1, 4, 1, "random", 16), (17, 6, 2, "random", 16), (17, 8, 2, "skip_first", 16),
                (17, 4, 1, "one_expert", 16), (40, 128, 8, "random", 16), (300, 128, 8, "random", 16),
                (3, 8, 2, "random", 32)]
 
