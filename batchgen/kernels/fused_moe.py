@@ -101,6 +101,20 @@ def _pick_16bit_config(num_tokens: int, hidden: int, inter: int, num_experts: in
     return by_tokens[min(at_or_above) if at_or_above else max(by_tokens)]
 
 
+def warmup_token_counts(hidden: int, inter: int, num_experts: int, top_k: int, max_tokens: int,
+                        device: torch.device, dtype: torch.dtype = torch.bfloat16) -> list[int]:
+    """The fewest tokens of each distinct config pick_config gives for 1 .. max_tokens tokens: a
+    warm-up that runs the layer at these counts compiles every kernel a job can meet (the kernels
+    specialize on their config, never on the token count)."""
+    seen, counts = set(), []
+    for num_tokens in range(1, max_tokens + 1):
+        config = pick_config(num_tokens, hidden, inter, num_experts, top_k, device, dtype)
+        if config not in seen:
+            seen.add(config)
+            counts.append(num_tokens)
+    return counts
+
+
 @triton.jit
 def _program_tile(max_blocks, num_cols, BLOCK_N: tl.constexpr):
     """This program's (block, column tile): the column tiles of GROUP_M blocks together, blocks fastest

@@ -14,6 +14,7 @@ from batchgen.kernels.fused_moe import (
     pick_config,
     select_experts,
     select_experts_reference,
+    warmup_token_counts,
 )
 from batchgen.kernels.moe_align import max_slots, moe_align_torch, moe_align_triton
 
@@ -164,3 +165,9 @@ def test_pick_config(monkeypatch):
     assert default_config(128, 2048, 768, 128, 8, sms=132).gate_up.block_n == 64
     fp32 = pick_config(64, 2048, 768, 128, 8, cpu, torch.float32)  # the shared memory of 16-bit tiles
     assert fp32.gate_up == tuned[64].gate_up._replace(block_k=32) and fp32.down.block_k == 32
+    # a warm-up at these token counts meets every config
+    assert warmup_token_counts(2048, 768, 128, 8, 4096, cpu) == [1, 2, 65]
+    assert warmup_token_counts(2048, 768, 128, 8, 64, cpu) == [1, 2]
+    defaults = warmup_token_counts(4096, 14336, 8, 2, 1024, cpu)
+    assert defaults[0] == 1 and {pick_config(t, 4096, 14336, 8, 2, cpu) for t in range(1, 1025)} == {
+        pick_config(t, 4096, 14336, 8, 2, cpu) for t in defaults}
