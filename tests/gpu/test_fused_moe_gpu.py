@@ -4,7 +4,7 @@ torch ops) at real sizes, and the router + fused MoE captured in a CUDA graph an
 import pytest
 import torch
 
-from batchgen.kernels.fused_moe import fused_moe, fused_moe_reference, select_experts
+from batchgen.kernels.fused_moe import fused_moe, fused_moe_reference, fused_moe_triton, pick_config, select_experts
 from batchgen.kernels.moe_align import TRITON_MAX_PAIRS, moe_align_torch, moe_align_triton
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -35,6 +35,20 @@ def test_model_shapes(shape, num_tokens, dtype):
     weights, ids = select_experts(torch.randn(num_tokens, shape["num_experts"], device="cuda"), shape["top_k"], True)
     got = fused_moe(x, w13, w2, weights, ids)
     torch.testing.assert_close(got, fused_moe_reference(x, w13, w2, weights, ids), **TOLERANCE[dtype])
+
+
+def test_batch_invariant():
+    """With the same config, a token's output is the same bits alone and among other tokens (no
+    atomics; a row's sums do not depend on the other rows of its block)."""
+    w13, w2 = layer(**QWEN3)
+    torch.manual_seed(5)
+    x = torch.randn(64, QWEN3["hidden"], device="cuda", dtype=torch.bfloat16)
+    weights, ids = select_experts(torch.randn(64, QWEN3["num_experts"], device="cuda"), QWEN3["top_k"], True)
+    config = pick_config(64, QWEN3["hidden"], QWEN3["inter"], QWEN3["num_experts"], QWEN3["top_k"], x.device)
+    batch = fused_moe_triton(x, w13, w2, weights, ids, config)
+    for t in (0, 37):
+        alone = fused_moe_triton(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], config)
+        assert torch.equal(alone[0], batch[t])
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(256, 128, 8, 16), (1024, 128, 8, 64),
