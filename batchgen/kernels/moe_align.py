@@ -16,7 +16,7 @@ the step: the products' grids cover max_blocks and blocks past num_padded exit a
 Up to TRITON_MAX_PAIRS pairs (decode) two Triton launches over chunks of pairs do it (counts per
 chunk, then each chunk's pairs placed; no atomics); above that a few sync-free torch ops (a stable
 sort, a scatter_add_ count, cumsums) do, where their launches are small beside the products. Both
-give the same buffers.
+give the same buffers up to num_padded (past it the Triton kernels write nothing: nothing reads it).
 """
 from __future__ import annotations
 
