@@ -1,0 +1,379 @@
+"""A mixture-of-experts MLP: each token's top-k experts, each a SiLU-gated MLP, summed with the
+router's weights.
+
+    out[t] = sum_j w[t, j] * (silu(x[t] Wg_e^T) * (x[t] Wu_e^T)) Wd_e^T,   e = topk_ids[t, j]
+    w13 [E, 2I, H] = [Wg_e; Wu_e] of each expert, w2 [E, H, I] = Wd_e
+
+The (token, choice) pairs are grouped by expert in blocks of BLOCK_M slots (kernels/moe_align.py), so
+two grouped products take a block of one expert's pairs against that expert's weights:
+  1. `_gate_up_kernel`: h[p] = silu(x[t] Wg^T) * (x[t] Wu^T) for pair p = t * k + j, a gate and an up
+     accumulator a program (gate and up rounded to x's dtype, as tile_gemm's SILU_MUL_OUT), [T*k, I];
+  2. `_down_kernel`: y[p] = w[p] * (h[p] Wd^T) in x's dtype, [T*k, H];
+  3. out = y.view(T, k, H).sum(1): one torch reduction (fp32 sums). No atomics anywhere: the same
+     inputs give the same bits, and a token's sums do not depend on where its pairs sit in a block.
+A block reads its expert's weight tile once for all its slots; at decode (a few pairs an expert,
+16- or 32-slot blocks) each touched expert's weights are streamed about once. Block sizes come from
+TUNED (benchmarks/fused_moe.py --tune prints its entries) or `default_config`. Nothing is read back
+to the host: the whole layer is CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from batchgen.kernels.device import device_index, num_sms, pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.moe_align import moe_align
+
+
+class GemmTile(NamedTuple):
+    block_n: int  # output columns a program
+    block_k: int  # reduction columns a step
+    warps: int
+    stages: int  # software-pipeline stages of the K loop
+
+
+class MoeConfig(NamedTuple):
+    block_m: int  # slots a block (the align's padding unit, shared by both products)
+    gate_up: GemmTile
+    down: GemmTile
+
+
+GROUP_M = tl.constexpr(8)  # blocks whose column tiles run together (_program_tile)
+
+# (GPU name, H, I, E, k) -> {T: config}: block sizes timed best by benchmarks/fused_moe.py --tune; a
+# batch of T tokens takes the entry of the nearest tuned T at or above it (else the largest)
+TUNED: dict[tuple[str, int, int, int, int], dict[int, MoeConfig]] = {}
+
+
+def default_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
+                   sms: int = 132) -> MoeConfig:
+    """Block sizes by the pairs an expert gets on average: 16-slot blocks while that is a few (decode:
+    the products stream the touched experts' weights; wide K steps keep many loads in flight, and
+    32-column tiles where 64 would leave fewer than two programs an SM), larger blocks as the
+    products get rows enough to be bound by the tensor cores (an expert's weights then read by fewer
+    blocks)."""
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= 8:
+        blocks = min(num_tokens * top_k, num_experts)  # about one block an expert hit
+
+        def columns(n: int) -> int:
+            return 64 if blocks * triton.cdiv(n, 64) >= 2 * sms else 32
+
+        return MoeConfig(16, GemmTile(columns(inter), 128, 4, 4), GemmTile(columns(hidden), 128, 4, 4))
+    if per_expert <= 32:
+        return MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 3))
+    if per_expert <= 96:
+        return MoeConfig(64, GemmTile(64, 64, 4, 4), GemmTile(128, 64, 4, 4))
+    return MoeConfig(128, GemmTile(128, 64, 8, 3), GemmTile(128, 64, 8, 4))
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def pick_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
+                device: torch.device, dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
+    """TUNED's entry for this GPU and shape at the nearest tuned batch at or above num_tokens, else
+    default_config; for fp32 (tests, tiny models) with half the K step and at most 3 stages, so its
+    tiles take the shared memory 16-bit ones do."""
+    config = _pick_16bit_config(num_tokens, hidden, inter, num_experts, top_k, device)
+    if dtype.itemsize <= 2:
+        return config
+    gate_up, down = (tile._replace(block_k=max(16, tile.block_k // 2), stages=min(tile.stages, 3))
+                     for tile in (config.gate_up, config.down))
+    return MoeConfig(config.block_m, gate_up, down)
+
+
+def _pick_16bit_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
+                       device: torch.device) -> MoeConfig:
+    is_cuda = device.type == "cuda"
+    name = _device_name(device_index(device)) if is_cuda else device.type
+    by_tokens = TUNED.get((name, hidden, inter, num_experts, top_k))
+    if not by_tokens:
+        return default_config(num_tokens, hidden, inter, num_experts, top_k, num_sms(device) if is_cuda else 132)
+    at_or_above = [t for t in by_tokens if t >= num_tokens]
+    return by_tokens[min(at_or_above) if at_or_above else max(by_tokens)]
+
+
+def warmup_token_counts(hidden: int, inter: int, num_experts: int, top_k: int, max_tokens: int,
+                        device: torch.device, dtype: torch.dtype = torch.bfloat16) -> list[int]:
+    """The fewest tokens of each distinct config pick_config gives for 1 .. max_tokens tokens: a
+    warm-up that runs the layer at these counts compiles every kernel a job can meet (the kernels
+    specialize on their config, never on the token count)."""
+    seen, counts = set(), []
+    for num_tokens in range(1, max_tokens + 1):
+        config = pick_config(num_tokens, hidden, inter, num_experts, top_k, device, dtype)
+        if config not in seen:
+            seen.add(config)
+            counts.append(num_tokens)
+    return counts
+
+
+@triton.jit
+def _program_tile(max_blocks, num_cols, BLOCK_N: tl.constexpr):
+    """This program's (block, column tile): the column tiles of GROUP_M blocks together, blocks fastest
+    within a group, so programs running side by side share the blocks' rows and the experts' weight
+    tiles through the L2."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(num_cols, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_block = pid // per_group * GROUP_M
+    group_blocks = tl.minimum(max_blocks - first_block, GROUP_M)
+    return first_block + pid % per_group % group_blocks, pid % per_group // group_blocks
+
+
+@triton.jit
+def _block_slots(sorted_ids_ptr, block_expert_ptr, num_padded_ptr, pid_m, BLOCK_M: tl.constexpr):
+    """Block pid_m's expert (int64; -1 past the slots in use) and its slots' pairs [BLOCK_M]."""
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    in_use = pid_m * BLOCK_M < tl.load(num_padded_ptr)
+    expert = tl.where(in_use, expert, -1)
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, pairs
+
+
+@triton.jit
+def _load_rows(ptrs, row_ok, k_ok, EVEN_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] of the slots' rows (zeros in padding slots and past the reduction)."""
+    if EVEN_K:
+        rows = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        rows = tl.load(ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    return rows
+
+
+@triton.jit
+def _load_weight(ptrs, k_ok, col_ok, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] of an expert's W^T, masked only where K or N is not whole blocks."""
+    if EVEN_K and EVEN_N:
+        w = tl.load(ptrs)
+    elif EVEN_K:
+        w = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    elif EVEN_N:
+        w = tl.load(ptrs, mask=k_ok[:, None], other=0.0)
+    else:
+        w = tl.load(ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    return w
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _gate_up_kernel(
+    x_ptr,  # [T, H]
+    x_stride_t,  # elements between two tokens of x
+    w_ptr,  # [E, 2I, H]: an expert's gate rows [0, I), up rows [I, 2I); H contiguous
+    w_stride_e,  # elements between two experts
+    w_stride_n,  # elements between two rows of an expert
+    h_ptr,  # [T*k, I] out: silu(gate) * up of pair p = t * k + j
+    h_stride_p,  # elements between two pairs of h
+    sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32 (kernels/moe_align.py)
+    block_expert_ptr,  # [max_blocks] int32
+    num_padded_ptr,  # [1] int32
+    num_pairs,  # T * k: the padding's sentinel
+    top_k,
+    inter,  # I: columns of h
+    hidden,  # H: the reduction
+    max_blocks,  # blocks the grid covers (the worst case's)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # hidden % BLOCK_K == 0: no reduction masks
+    EVEN_N: tl.constexpr,  # inter % BLOCK_N == 0: no column masks on W
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (tf32 would round them to 10 bits)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
+):
+    pid_m, pid_n = _program_tile(max_blocks, inter, BLOCK_N)
+    wait_for_prior_kernels(PDL)  # the align wrote the slots
+    expert, pairs = _block_slots(sorted_ids_ptr, block_expert_ptr, num_padded_ptr, pid_m, BLOCK_M)
+    if expert < 0:
+        return
+    pair_ok = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * x_stride_t + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    g_ptrs = w_ptr + expert * w_stride_e + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    u_ptrs = g_ptrs + inter * w_stride_n
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        a = _load_rows(x_ptrs, pair_ok, ks < hidden - k0, EVEN_K)
+        gate = _load_weight(g_ptrs, ks < hidden - k0, col_ok, EVEN_K, EVEN_N)
+        up = _load_weight(u_ptrs, ks < hidden - k0, col_ok, EVEN_K, EVEN_N)
+        acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    dtype = h_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * h_stride_p + cols[None, :]
+    tl.store(h_ptrs, (gate * tl.sigmoid(gate) * up).to(dtype), mask=pair_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
+def _down_kernel(
+    h_ptr,  # [T*k, I]
+    h_stride_p,  # elements between two pairs of h
+    w_ptr,  # [E, H, I]: I contiguous
+    w_stride_e,  # elements between two experts
+    w_stride_n,  # elements between two rows of an expert
+    y_ptr,  # [T*k, H] out: w[p] * (h[p] Wd^T)
+    y_stride_p,  # elements between two pairs of y
+    weights_ptr,  # [T*k] fp32 router weights, pair order
+    sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32 (kernels/moe_align.py)
+    block_expert_ptr,  # [max_blocks] int32
+    num_padded_ptr,  # [1] int32
+    num_pairs,  # T * k: the padding's sentinel
+    hidden,  # H: columns of y
+    inter,  # I: the reduction
+    max_blocks,  # blocks the grid covers (the worst case's)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # inter % BLOCK_K == 0: no reduction masks
+    EVEN_N: tl.constexpr,  # hidden % BLOCK_N == 0: no column masks on W
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
+):
+    pid_m, pid_n = _program_tile(max_blocks, hidden, BLOCK_N)
+    wait_for_prior_kernels(PDL)  # h is the kernel before's output
+    expert, pairs = _block_slots(sorted_ids_ptr, block_expert_ptr, num_padded_ptr, pid_m, BLOCK_M)
+    if expert < 0:
+        return
+    pair_ok = pairs < num_pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * h_stride_p + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + expert * w_stride_e + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        a = _load_rows(h_ptrs, pair_ok, ks < inter - k0, EVEN_K)
+        w = _load_weight(w_ptrs, ks < inter - k0, col_ok, EVEN_K, EVEN_N)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    route = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0)
+    y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * y_stride_p + cols[None, :]
+    tl.store(y_ptrs, (acc * route[:, None]).to(y_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # (16-bit dots ignore it)
+
+
+def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    num_experts, two_inter, hidden = w13.shape
+    assert x.dim() == 2 and x.shape[1] == hidden and two_inter % 2 == 0
+    assert w2.shape == (num_experts, hidden, two_inter // 2)
+    assert w13.stride(2) == 1 and w2.stride(2) == 1 and x.stride(1) == 1, "rows must be contiguous"
+    assert x.dtype == w13.dtype == w2.dtype
+
+
+def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, top_k: int, aligned: tuple[torch.Tensor, ...],
+                 block_m: int, tile: GemmTile) -> torch.Tensor:
+    """Product 1 of the module's docstring: h [T*k, I] in x's dtype."""
+    sorted_ids, block_expert, num_padded = aligned
+    num_pairs, (_, two_inter, hidden) = x.shape[0] * top_k, w13.shape
+    inter = two_inter // 2
+    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    max_blocks = block_expert.numel()
+    _gate_up_kernel[(max_blocks * triton.cdiv(inter, tile.block_n),)](
+        x, x.stride(0), w13, w13.stride(0), w13.stride(1), h, h.stride(0),
+        sorted_ids, block_expert, num_padded, num_pairs, top_k, inter, hidden, max_blocks,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=hidden % tile.block_k == 0,
+        EVEN_N=inter % tile.block_n == 0, DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=tile.warps, num_stages=tile.stages, **pdl_launch_args(x.device),
+    )
+    return h
+
+
+def down_weighted(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, aligned: tuple[torch.Tensor, ...],
+                  block_m: int, tile: GemmTile) -> torch.Tensor:
+    """Product 2 of the module's docstring: y [T*k, H] in h's dtype, each pair's row times its weight."""
+    sorted_ids, block_expert, num_padded = aligned
+    num_pairs, (_, hidden, inter) = h.shape[0], w2.shape
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    y = torch.empty((num_pairs, hidden), dtype=h.dtype, device=h.device)
+    max_blocks = block_expert.numel()
+    _down_kernel[(max_blocks * triton.cdiv(hidden, tile.block_n),)](
+        h, h.stride(0), w2, w2.stride(0), w2.stride(1), y, y.stride(0), weights,
+        sorted_ids, block_expert, num_padded, num_pairs, hidden, inter, max_blocks,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter % tile.block_k == 0,
+        EVEN_N=hidden % tile.block_n == 0, DOT_PRECISION=_dot_precision(h.dtype),
+        num_warps=tile.warps, num_stages=tile.stages, **pdl_launch_args(h.device),
+    )
+    return y
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+    """The module's docstring's three steps after the align; config: pick_config's unless given."""
+    _check_weights(x, w13, w2)
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    assert x.shape[0] == num_tokens and topk_weights.shape == topk_ids.shape
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    config = config or pick_config(num_tokens, hidden, two_inter // 2, num_experts, top_k, x.device, x.dtype)
+    aligned = moe_align(topk_ids, num_experts, config.block_m)
+    h = gate_up_silu(x, w13, top_k, aligned, config.block_m, config.gate_up)
+    y = down_weighted(h, w2, topk_weights, aligned, config.block_m, config.down)
+    return y.view(num_tokens, top_k, hidden).sum(1) if top_k > 1 else y  # (fp32 sums, rounded once)
+
+
+def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """The definition, expert by expert in fp32, rounded where the kernels round: gate and up, silu(gate)
+    * up, each pair's weighted output to x's dtype; their sum over the k once."""
+    num_tokens, hidden = x.shape
+    inter = w2.shape[2]
+    out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
+    for expert in topk_ids.unique().tolist():
+        tokens, choice = (topk_ids == expert).nonzero(as_tuple=True)
+        gate_up = (x[tokens].float() @ w13[expert].float().t()).to(x.dtype).float()
+        h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype).float()
+        y = (h @ w2[expert].float().t()) * topk_weights[tokens, choice].float()[:, None]
+        out.index_add_(0, tokens, y.to(x.dtype).float())
+    return out.to(x.dtype)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k] int32 -> [T, H]
+    in x's dtype: the Triton path on a GPU, the reference on CPU."""
+    if x.is_cuda:
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int32): the softmax in fp32,
+    its k largest, renormalized to sum to 1 over the k if asked (Mixtral,
+    Qwen3-MoE's norm_topk_prob). Three torch ops, sync-free; no Triton kernel measured faster yet."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def select_experts_reference(router_logits: torch.Tensor, top_k: int,
+                             renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition in plain steps: exp(l - max) / sum, experts sorted by probability, the first k."""
+    logits = router_logits.float()
+    probs = (logits - logits.amax(dim=-1, keepdim=True)).exp()
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = probs.gather(1, order)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, order.to(torch.int32)

@@ -1,0 +1,173 @@
+"""The fused MoE (kernels/fused_moe.py, kernels/moe_align.py) against its torch reference, on tiny
+shapes whose K and N are not whole blocks; the reference against the formula; the router's top-k."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import batchgen.kernels.fused_moe as fused_moe_module
+from batchgen.kernels.fused_moe import (
+    GemmTile,
+    MoeConfig,
+    default_config,
+    fused_moe_reference,
+    fused_moe_triton,
+    pick_config,
+    select_experts,
+    select_experts_reference,
+    warmup_token_counts,
+)
+from batchgen.kernels.moe_align import max_slots, moe_align_torch, moe_align_triton
+
+# Interpreter-sized tiles: 16-slot blocks, 16 columns, 32-wide K steps (K and N of the cases below are
+# not all whole steps); a 32-slot block for the align's other padding
+SMALL = MoeConfig(16, GemmTile(16, 32, 4, 1), GemmTile(16, 32, 4, 1))
+WIDE_M = MoeConfig(32, GemmTile(32, 16, 4, 1), GemmTile(16, 16, 4, 1))
+
+
+def routing(num_tokens: int, num_experts: int, top_k: int, kind: str, seed: int = 0) -> torch.Tensor:
+    """topk_ids [T, k] int32, distinct experts a token: "random" over all experts, "skip_first" never
+    expert 0 (an expert with no tokens), "one_expert" every token's first choice expert 1 (the rest
+    fixed too: every pair on k experts)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "one_expert":
+        return torch.tensor([[1 + j for j in range(top_k)]] * num_tokens, dtype=torch.int32)
+    low = 1 if kind == "skip_first" else 0
+    rows = [low + torch.randperm(num_experts - low, generator=gen)[:top_k] for _ in range(num_tokens)]
+    return torch.stack(rows).to(torch.int32)
+
+
+def moe_inputs(num_tokens, num_experts, top_k, hidden, inter, dtype, device, kind="random", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
+    topk_ids = routing(num_tokens, num_experts, top_k, kind, seed)
+    return [t.to(device) for t in (x, w13, w2, topk_weights, topk_ids)]
+
+
+# (T, E, k, H, I, routing, config)
+CASES = [
+    (1, 4, 1, 32, 24, "random", SMALL),
+    (3, 8, 2, 64, 48, "random", SMALL),
+    (17, 8, 2, 48, 40, "random", SMALL),
+    (17, 4, 1, 64, 32, "one_expert", SMALL),  # one expert: a full block and a partial one
+    (17, 8, 2, 40, 24, "skip_first", SMALL),  # expert 0 gets no tokens
+    (3, 4, 2, 64, 48, "one_expert", WIDE_M),
+    (17, 8, 1, 32, 48, "random", WIDE_M),  # K and N whole steps: the unmasked loads
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inter,kind,config", CASES)
+def test_fused_moe(device, assert_close, dtype, num_tokens, num_experts, top_k, hidden, inter, kind, config):
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(num_tokens, num_experts, top_k, hidden, inter, dtype, device, kind)
+    got = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, config)
+    # the products sum in another order: gate/up may round the other way, and the down product after it
+    assert_close(got, fused_moe_reference(x, w13, w2, topk_weights, topk_ids), scale=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_default_config(device, assert_close, dtype):
+    """pick_config's tiles (16-slot blocks, K steps of 128 past H) at an H and I of a few steps."""
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(5, 8, 2, 256, 128, dtype, device)
+    assert pick_config(5, 256, 128, 8, 2, x.device).block_m == 16
+    got = fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    assert_close(got, fused_moe_reference(x, w13, w2, topk_weights, topk_ids), scale=2)
+
+
+def test_fused_moe_strided_rows(device, assert_close):
+    """x a column slice of a wider tensor (rows apart by more than H) and experts' weights views of
+    larger ones (rows and experts apart by more than their sizes)."""
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(5, 4, 2, 32, 24, torch.float32, device)
+    wide_x = torch.randn(5, 48, device=device)
+    wide_x[:, :32] = x
+    wide_w13 = torch.randn(4, 64, 40, device=device)
+    wide_w13[:, :48, :32] = w13
+    wide_w2 = torch.randn(4, 40, 24, device=device)
+    wide_w2[:, :32] = w2
+    got = fused_moe_triton(wide_x[:, :32], wide_w13[:, :48, :32], wide_w2[:, :32], topk_weights, topk_ids, SMALL)
+    assert_close(got, fused_moe_reference(x, w13, w2, topk_weights, topk_ids), scale=2)
+
+
+def test_reference_is_the_formula():
+    """out[t] = sum_j w[t, j] * (silu(x[t] Wg^T) * (x[t] Wu^T)) Wd^T, token by token, in fp32."""
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(6, 4, 2, 16, 12, torch.float32, "cpu")
+    want = torch.zeros_like(x)
+    for t in range(6):
+        for j in range(2):
+            e = int(topk_ids[t, j])
+            gate, up = w13[e, :12] @ x[t], w13[e, 12:] @ x[t]
+            want[t] += topk_weights[t, j] * (w2[e] @ (F.silu(gate) * up))
+    torch.testing.assert_close(fused_moe_reference(x, w13, w2, topk_weights, topk_ids), want)
+
+
+# (T, E, k, routing, BLOCK_M): one chunk of pairs; 6 experts (not a power of two); an empty expert;
+# all on one expert; pairs in several chunks (128 experts: 64 pairs a chunk), and in more chunks than
+# a step of the counts' sum takes (32); 32-slot blocks
+ALIGN_CASES = [(1, 4, 1, "random", 16), (17, 6, 2, "random", 16), (17, 8, 2, "skip_first", 16),
+               (17, 4, 1, "one_expert", 16), (40, 128, 8, "random", 16), (300, 128, 8, "random", 16),
+               (3, 8, 2, "random", 32)]
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,kind,block_m", ALIGN_CASES)
+def test_moe_align(device, num_tokens, num_experts, top_k, kind, block_m):
+    """Each expert's pairs, ascending, at slots from the padded counts' prefix sums, the sentinel
+    T*k in the padding, each block's expert; the Triton kernels and the torch ops agree."""
+    topk_ids = routing(num_tokens, num_experts, top_k, kind).to(device)
+    sorted_ids, block_expert, num_padded = moe_align_torch(topk_ids, num_experts, block_m)
+    num_pairs = num_tokens * top_k
+    slots = max_slots(num_pairs, num_experts, block_m)
+    assert sorted_ids.shape == (slots,) and block_expert.shape == (slots // block_m,)
+    flat = topk_ids.reshape(-1).cpu()
+    counts = torch.bincount(flat.long(), minlength=num_experts).tolist()
+    want_ids, want_blocks = [], []
+    for expert, count in enumerate(counts):
+        padded = -(-count // block_m) * block_m
+        want_ids += (flat == expert).nonzero().flatten().tolist() + [num_pairs] * (padded - count)
+        want_blocks += [expert] * (padded // block_m)
+    assert num_padded.tolist() == [len(want_ids)]
+    assert sorted_ids[:len(want_ids)].tolist() == want_ids
+    assert block_expert.tolist() == want_blocks + [-1] * (len(block_expert) - len(want_blocks))
+    got = moe_align_triton(topk_ids, num_experts, block_m)
+    assert torch.equal(got[2], num_padded) and torch.equal(got[1], block_expert)
+    assert torch.equal(got[0][:len(want_ids)], sorted_ids[:len(want_ids)])  # (slots past those: unread)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_select_experts(renormalize, logits_dtype):
+    torch.manual_seed(4)
+    logits = (torch.randn(9, 16) * 3).to(logits_dtype)
+    weights, ids = select_experts(logits, 4, renormalize)
+    want_weights, want_ids = select_experts_reference(logits, 4, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (9, 4)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights)
+    if renormalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(9))
+
+
+def test_pick_config(monkeypatch):
+    """A tuned shape takes the entry of the nearest tuned batch at or above T (past the largest: the
+    largest); other shapes the default, 16-slot blocks while an expert gets a few pairs."""
+    tuned = {1: MoeConfig(16, GemmTile(32, 128, 4, 4), GemmTile(32, 128, 4, 4)),
+             64: MoeConfig(32, GemmTile(64, 64, 4, 3), GemmTile(64, 64, 4, 3)),
+             1024: MoeConfig(128, GemmTile(128, 64, 8, 3), GemmTile(128, 64, 8, 3))}
+    monkeypatch.setattr(fused_moe_module, "TUNED", {("cpu", 2048, 768, 128, 8): tuned})
+    cpu = torch.device("cpu")
+    assert [pick_config(t, 2048, 768, 128, 8, cpu) for t in (1, 2, 64, 65, 4096)] == [
+        tuned[1], tuned[64], tuned[64], tuned[1024], tuned[1024]]
+    assert pick_config(1, 4096, 14336, 8, 2, cpu) == default_config(1, 4096, 14336, 8, 2)
+    assert [default_config(t, 2048, 768, 128, 8).block_m for t in (1, 128, 256, 1024, 4096)] == [16, 16, 32, 64, 128]
+    # one token's 8 experts: 32-column tiles give the products' programs two an SM
+    assert default_config(1, 2048, 768, 128, 8, sms=132).gate_up.block_n == 32
+    assert default_config(128, 2048, 768, 128, 8, sms=132).gate_up.block_n == 64
+    fp32 = pick_config(64, 2048, 768, 128, 8, cpu, torch.float32)  # the shared memory of 16-bit tiles
+    assert fp32.gate_up == tuned[64].gate_up._replace(block_k=32) and fp32.down.block_k == 32
+    # a warm-up at these token counts meets every config
+    assert warmup_token_counts(2048, 768, 128, 8, 4096, cpu) == [1, 2, 65]
+    assert warmup_token_counts(2048, 768, 128, 8, 64, cpu) == [1, 2]
+    defaults = warmup_token_counts(4096, 14336, 8, 2, 1024, cpu)
+    assert defaults[0] == 1 and {pick_config(t, 4096, 14336, 8, 2, cpu) for t in range(1, 1025)} == {
+        pick_config(t, 4096, 14336, 8, 2, cpu) for t in defaults}
