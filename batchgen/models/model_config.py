@@ -18,6 +18,11 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False, "norm_topk_prob": True},
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False, "norm_topk_prob": None},
 }
+# config.json's model_type -> its architecture, for configs without "architectures" (a config class's
+# save_pretrained writes none: what a --load-format dummy benchmark may start from)
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+               "qwen2_moe": "Qwen2MoeForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -119,7 +124,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
     raw = json.loads((model_dir / "config.json").read_text())
     archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next((a for a in archs or [MODEL_TYPES.get(raw.get("model_type"))] if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedModelError(
             f"architecture {archs or raw.get('model_type')!r} is not supported; "
