@@ -81,6 +81,8 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter), requires_grad=False)
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
+        self.num_experts = num_experts
+        self.loaded: set[str] = set()  # the shards weight_loader filled (a checkpoint may lack an expert)
 
     def _rank_slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
         return loaded.narrow(dim, self.tp.rank * self.inter, self.inter)
@@ -88,6 +90,7 @@ class FusedExperts(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         """shard: "gate:E", "up:E", "down:E" (one expert's [I, H], [I, H], [H, I]), or "gate_up" / "down"
         (all experts' [E, 2I, H] / [E, H, I])."""
+        self.loaded.add(shard)
         part, _, expert = shard.partition(":")
         if part == "gate_up":
             full = loaded.shape[1] // 2
@@ -101,6 +104,11 @@ class FusedExperts(nn.Module):
         else:
             offset = 0 if part == "gate" else self.inter
             _fill(param.data[int(expert), offset:offset + self.inter], self._rank_slice(loaded, 0))
+
+    def missing_weights(self) -> list[str]:
+        """The experts' weights no checkpoint tensor filled: "gate:E", "up:E", "down:E"."""
+        return [f"{part}:{e}" for e in range(self.num_experts) for part in ("gate", "up", "down")
+                if f"{part}:{e}" not in self.loaded and ("down" if part == "down" else "gate_up") not in self.loaded]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """-> this rank's partial sums [T, H]."""

@@ -77,6 +77,10 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     missing = set(params) - loaded - ({"lm_head.weight"} if tied else set())
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights: {', '.join(sorted(missing)[:5])}")
+    for name, module in model.named_modules():  # an MoE layer's experts load piece by piece
+        gaps = module.missing_weights() if hasattr(module, "missing_weights") else []
+        if gaps:
+            raise ValueError(f"checkpoint {model_dir} lacks weights: {name} {', '.join(gaps[:5])}")
     for param in params.values():  # done with: each is a bound method of the parameter's module, a
         if hasattr(param, "weight_loader"):  # reference cycle that would keep the weights after the model
             del param.weight_loader

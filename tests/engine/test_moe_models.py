@@ -8,7 +8,7 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from batchgen import LLM, SamplingParams
 from batchgen.layers.moe import FusedExperts, moe_experts_torch, route
@@ -152,3 +152,13 @@ def test_config_json_spellings(tmp_path):
     assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (4, 160, True)
     assert all(mixtral.is_moe_layer(i) for i in range(4)) and not mixtral.qkv_bias
     assert [c.architecture for c in got.values()] == list(cases)
+
+
+def test_a_checkpoint_without_one_experts_weight_is_refused(tiny_model, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model("mixtral"), broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(weights, broken / "model.safetensors")
+    with pytest.raises(ValueError, match=r"lacks weights: layers\.1\.mlp\.experts up:2$"):
+        LLM(str(broken), dtype="float32")
