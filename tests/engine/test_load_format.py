@@ -63,3 +63,15 @@ def test_dummy_weights_are_the_same_for_a_seed(kind, tiny_model, tmp_path):
 def test_a_bad_load_format_is_refused():
     with pytest.raises(ValueError, match="invalid --load-format: 'pt'; choose one of auto, dummy"):
         LLM(load_format="pt")
+
+
+def test_dummy_weights_under_tensor_parallelism(tiny_model, tmp_path):
+    """Each tensor-parallel worker makes its own dummy shards (no rank looks for *.safetensors)."""
+    model = str(config_and_tokenizer_only(tiny_model("qwen2-moe"), tmp_path / "m"))
+    llm = LLM(model, dtype="float32", device="cpu", load_format="dummy", tensor_parallel_size=2)
+    try:
+        rows = [{"prompt_token_ids": list(range(1, n))} for n in (3, 20, 41)]
+        results = llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    finally:
+        llm.close()
+    assert [r["completion_tokens"] for r in results] == [4, 4, 4] and all(r["error"] is None for r in results)
