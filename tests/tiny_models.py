@@ -83,7 +83,7 @@ def build(kind: str, path: Path) -> Path:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("weight") else 0.1 * torch.randn_like(p))
             elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # routers: clear choices
                 p.copy_(0.5 * torch.randn_like(p))
-            elif ".experts." in name or ".shared_expert." in name:  # experts that move the output: a wrong one changes the tokens
+            elif ".experts." in name or ".shared_expert." in name:  # large enough that a wrong one changes tokens
                 p.copy_(0.25 * torch.randn_like(p))
     model.save_pretrained(path, max_shard_size="100KB" if kind == "llama-sharded" else "5GB")
     save_tokenizer(path)
