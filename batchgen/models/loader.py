@@ -91,14 +91,14 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     parameter draws from its own generator seeded by (seed, its index), so the tensor-parallel ranks
     fill their replicated parameters (norms, routers) alike."""
     for index, (name, param) in enumerate(model.named_parameters()):
+        if hasattr(param, "weight_loader"):
+            del param.weight_loader  # (as load_weights does: it ties the parameter to its module)
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
             continue
-        gen = torch.Generator(param.device).manual_seed(seed * 1_000_003 + index)
+        gen = torch.Generator(param.device).manual_seed((seed * 1_000_003 + index) % 2**63)
         param.data.copy_(torch.randn(param.shape, generator=gen, device=param.device, dtype=param.dtype))
         param.data.mul_(DUMMY_STD)
-        if hasattr(param, "weight_loader"):
-            del param.weight_loader  # (as load_weights does: it ties the parameter to its module)
 
 
 def build_model(

@@ -62,10 +62,6 @@ class ModelConfig:
     mlp_only_layers: list[int] = field(default_factory=list)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an MLP every token takes, gated by sigmoid
 
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
     def is_moe_layer(self, index: int) -> bool:
         return (self.num_experts > 0 and index not in self.mlp_only_layers
                 and (index + 1) % self.decoder_sparse_step == 0)
