@@ -10,6 +10,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 = fp8_e4m3 (float8_e4m3fn)
 DEVICES = ("auto", "cuda", "cpu")
 GENERATION_CONFIGS = ("auto", "none")  # auto: the model's generation_config.json gives sampling defaults
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (benchmarks), no *.safetensors
 
 
 def env_threads(name: str) -> int | None:
@@ -46,6 +47,7 @@ class EngineConfig:
     seed: int = 0  # job seed: rows without their own seed get one derived from (seed, id)
     trust_remote_code: bool = False  # only for tokenizers; batchgen never runs a checkpoint's model code
     generation_config: str = "auto"  # auto: sampling defaults from the model's generation_config.json; none: built-ins
+    load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights from --seed (benchmarks)
     # GPU features to turn off when debugging a GPU or driver problem (BATCHGEN_PDL=0, BATCHGEN_SYMM_ALL_REDUCE=0)
     pdl: bool = field(default_factory=lambda: _env_on("BATCHGEN_PDL"))  # programmatic dependent launch, Hopper+
     symmetric_all_reduce: bool = field(default_factory=lambda: _env_on("BATCHGEN_SYMM_ALL_REDUCE"))  # off: NCCL
@@ -82,6 +84,8 @@ class EngineConfig:
         need(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb", "must be > 0")
         need(self.generation_config in GENERATION_CONFIGS, "generation_config",
              f"{self.generation_config!r}; choose one of {', '.join(GENERATION_CONFIGS)}")
+        need(self.load_format in LOAD_FORMATS, "load_format",
+             f"{self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
         need(self.cpu_threads is None or (isinstance(self.cpu_threads, int) and self.cpu_threads >= 1),
              "cpu_threads", f"{self.cpu_threads!r}; give a number of threads >= 1, or None for auto")
 

@@ -1,7 +1,9 @@
 """Throughput on one GPU: BENCHMARKS.md's workloads through batchgen and, in the same run on the same
 GPU, HF transformers generate() (batches of 64 in input order, left padding, each batch run to its
 longest requested output, only requested tokens counted). Random weights at real shapes, built here
-with transformers and saved as bf16 safetensors. Prints one JSON line per measurement.
+with transformers and saved as bf16 safetensors, or with --load-format dummy only their config.json and
+tokenizer (batchgen makes random weights itself: a 30B model's checkpoint is not written first; HF
+generate() then runs a randomly initialized model). Prints one JSON line per measurement.
 
     python benchmarks/throughput.py --model llama-3.2-1b --workload W-offline W-short --hf-requests 64 \
         --json-out benchmarks/results/h200-$(date +%F).jsonl --plot docs/throughput-h200.png
@@ -55,6 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchgen import LLM, SamplingParams  # noqa: E402
+from batchgen.config import LOAD_FORMATS  # noqa: E402
 from batchgen.engine.request import chat_text  # noqa: E402
 
 MODELS = {
@@ -90,6 +93,7 @@ JSON_SCHEMA = {"type": "object", "properties": {
 SYSTEM_PROMPT_TOKENS = 1024  # W-prefix
 SAMPLES = 8  # W-n
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ENGINE_OPTIONS = {"load_format": "auto"}  # every engine's (main sets them from the command line)
 CHAT_TOKENIZER = Path(__file__).resolve().parent / "chat_tokenizer"
 SYSTEM_PROMPTS = [
     "You are a helpful assistant.",
@@ -110,8 +114,9 @@ WORDS = (
 ).split()
 
 
-def build_model(name: str, root: Path) -> Path:
-    path = root / name
+def build_model(name: str, root: Path, weights: bool = True) -> Path:
+    """The model's directory; weights False: its config.json and tokenizer alone (for --load-format dummy)."""
+    path = root / (name if weights else f"{name}-config-only")
     if (path / "config.json").exists():
         return path
     import transformers as tf
@@ -120,6 +125,10 @@ def build_model(name: str, root: Path) -> Path:
 
     cls, shape = MODELS[name]
     config = getattr(tf, cls)(**shape, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if not weights:
+        config.save_pretrained(path)
+        save_tokenizer(path)
+        return path
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -304,7 +313,7 @@ def run_batchgen(model_dir: Path, variants: dict[str, list[dict]], temperature: 
     its best run (other work on the host only ever slows a run down), with every run's tok/s and the
     engine's start-up time. Every run starts from an empty prefix cache."""
     start = time.perf_counter()
-    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp, **options)
+    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp, **{**ENGINE_OPTIONS, **options})
     startup = time.perf_counter() - start  # weights, KV pool, kernel warm-up, CUDA graph captures
     params = SamplingParams(temperature=temperature, ignore_eos=True)
     if warm_up:  # a first small job; --no-warm-up measures a user's first job right after start-up
@@ -387,7 +396,8 @@ def process_startup(model_dir: Path, tp: int) -> float:
     or `batchgen run`, pays them)."""
     import subprocess
 
-    code = f"from batchgen import LLM; LLM({str(model_dir)!r}, dtype='bfloat16', tensor_parallel_size={tp})"
+    code = (f"from batchgen import LLM; LLM({str(model_dir)!r}, dtype='bfloat16', tensor_parallel_size={tp}, "
+            f"**{ENGINE_OPTIONS!r})")
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], capture_output=True, check=True)
     return time.perf_counter() - start
@@ -398,7 +408,7 @@ def run_node(model_dir: Path, requests: list[dict], temperature: float, dp: int,
     """W-node: the rows through dp replicas of tp GPUs each -> the best run's tok/s, start-up, each
     replica's rows, tok/s and GPU busy, and the imbalance at the end (first to last replica idle)."""
     start = time.perf_counter()
-    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp, data_parallel_size=dp)
+    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp, data_parallel_size=dp, **ENGINE_OPTIONS)
     startup = time.perf_counter() - start
     params = SamplingParams(temperature=temperature, ignore_eos=True)
     llm.generate_list(requests[: 2 * dp], params)  # every replica's first small job
@@ -433,7 +443,11 @@ def run_node(model_dir: Path, requests: list[dict], temperature: float, dp: int,
 def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+    if ENGINE_OPTIONS["load_format"] == "dummy":  # a config alone: HF's own random initialization
+        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
+    else:
+        model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = model.to(DEVICE).eval()
     tokens = 0
     synchronize()
     start = time.perf_counter()
@@ -499,14 +513,18 @@ def main(argv=None):
                     help="add --quantization fp8, it with an fp8 KV pool, and the 128-block checkpoint form")
     ap.add_argument("--json-out", help="append the JSON lines to this file (benchmarks/results/DEVICE-DATE.jsonl)")
     ap.add_argument("--plot", help="write a PNG bar chart of this run's lines")
+    ap.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                    help="dummy: write only each model's config.json and tokenizer; batchgen makes random weights")
     args = ap.parse_args(argv)
+    ENGINE_OPTIONS["load_format"] = args.load_format
     lines = []
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     for name in args.model:
-        model_dir = build_model(name, Path(args.models_dir))
+        model_dir = build_model(name, Path(args.models_dir), weights=args.load_format != "dummy")
         for workload in args.workload:
             requests = make_requests(workload, MODELS[name][1]["vocab_size"])[: args.requests]
             line = {"workload": workload, "model": name, "gpu": gpu, "tp": args.tensor_parallel_size,
+                    **({"load_format": "dummy"} if args.load_format == "dummy" else {}),
                     "torch": torch.__version__, "requests": len(requests), "temperature": args.temperature}
             if workload == "W-node":
                 one = run_node(model_dir, requests, args.temperature, 1, args.tensor_parallel_size,

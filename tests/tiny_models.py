@@ -34,10 +34,12 @@ def save_tokenizer(path: Path) -> None:
 
 def build(kind: str, path: Path) -> Path:
     """kind: llama | llama3 (llama3 rope scaling, untied) | mistral | qwen2 | qwen3 | llama-sharded
-    (llama saved in several safetensors files with an index)."""
+    (llama saved in several safetensors files with an index) | qwen3-moe (layer 1 of 3 dense through
+    mlp_only_layers) | mixtral | qwen2-moe (a shared expert; layer 0 of 2 dense: decoder_sparse_step)."""
     import transformers as tf
 
-    torch.manual_seed({"llama": 0, "llama3": 1, "qwen2": 2, "qwen3": 3, "mistral": 4, "llama-sharded": 0}[kind])
+    torch.manual_seed({"llama": 0, "llama3": 1, "qwen2": 2, "qwen3": 3, "mistral": 4, "llama-sharded": 0,
+                       "qwen3-moe": 5, "mixtral": 6, "qwen2-moe": 7}[kind])
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=EOS,
@@ -57,6 +59,21 @@ def build(kind: str, path: Path) -> Path:
         config = tf.Qwen2Config(**common, tie_word_embeddings=False)
     elif kind == "qwen3":
         config = tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    elif kind == "qwen3-moe":
+        config = tf.Qwen3MoeConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=32, tie_word_embeddings=False, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1],
+        )
+    elif kind == "mixtral":
+        config = tf.MixtralConfig(
+            **{**common, "intermediate_size": 32}, tie_word_embeddings=False, num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+    elif kind == "qwen2-moe":
+        config = tf.Qwen2MoeConfig(
+            **common, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=96, norm_topk_prob=False, decoder_sparse_step=2,
+        )
     else:
         raise ValueError(kind)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -64,6 +81,10 @@ def build(kind: str, path: Path) -> Path:
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", "bias")):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("weight") else 0.1 * torch.randn_like(p))
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # routers: clear choices
+                p.copy_(0.5 * torch.randn_like(p))
+            elif ".experts." in name or ".shared_expert." in name:  # large enough that a wrong one changes tokens
+                p.copy_(0.25 * torch.randn_like(p))
     model.save_pretrained(path, max_shard_size="100KB" if kind == "llama-sharded" else "5GB")
     save_tokenizer(path)
     return path

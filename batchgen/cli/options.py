@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from batchgen.config import DEVICES, DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES
+from batchgen.config import DEVICES, DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES, LOAD_FORMATS
 from batchgen.schema import INPUT_FORMATS, INT32_MAX, OUTPUT_FORMATS, FieldError, check_range
 
 
@@ -24,6 +24,7 @@ KvCacheDtype = _choices("KvCacheDtype", KV_CACHE_DTYPES)  # fp8 = fp8_e4m3
 Device = _choices("Device", DEVICES)
 # auto: the model's generation_config.json gives the sampling defaults not given as options; none: built-ins
 GenerationConfig = _choices("GenerationConfig", GENERATION_CONFIGS)
+LoadFormat = _choices("LoadFormat", LOAD_FORMATS)
 InputFormat = _choices("InputFormat", INPUT_FORMATS)
 OutputFormat = _choices("OutputFormat", OUTPUT_FORMATS)
 
@@ -97,6 +98,10 @@ ENGINE_OPTIONS = (
             help="KV cache dtype; auto: the model's. fp8 (= fp8_e4m3): half the bytes of bf16, so twice the "
                  "tokens fit and long decodes read half as much; values are rounded (outputs differ slightly). "
                  "Needs a GPU of compute capability 8.9+ (Ada, Hopper) or the CPU."),
+    _option("load_format", LoadFormat, LoadFormat.auto, panel=ENGINE,
+            help="auto: the model directory's *.safetensors; dummy: random weights from its config.json alone "
+                 "(the same for a --seed; the tokenizer still comes from the directory), for benchmarks of "
+                 "models whose checkpoint is not at hand. The output is meaningless text."),
     _option("enable_prefix_caching", bool, True, "--enable-prefix-caching/--no-enable-prefix-caching", panel=ENGINE,
             help="Reuse the KV of prompt prefixes computed before (a shared system prompt, few-shot examples, "
                  "the n samples of a row) instead of computing them again."),

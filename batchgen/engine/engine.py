@@ -97,6 +97,7 @@ class LLMEngine:
             "tensor_parallel_all_reduce": self.runner.tp.all_reduce_path,
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "seed": self.config.seed,
+            "load_format": self.config.load_format,  # dummy: random weights (a benchmark), not the checkpoint
             "cpu_threads": self.config.cpu_threads if self.config.cpu_threads is not None else "auto",
             "pdl": self.config.pdl,
             "symmetric_all_reduce": self.config.symmetric_all_reduce,

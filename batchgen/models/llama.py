@@ -67,12 +67,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, mlp: nn.Module | None = None):
+        """mlp: another MLP than the dense LlamaMLP (a subclass's: models/moe.py)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = LlamaMLP(cfg, tp) if mlp is None else mlp
         self.one_row_mlp: OneRowMLP | None = None  # LlamaForCausalLM.use_one_row_mlps
 
     def forward(self, positions, hidden, residual, batch: ForwardBatch):
@@ -101,11 +102,16 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         # one cos/sin table shared by every layer
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, self.rotary, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @staticmethod
+    def make_layer(cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, index: int) -> nn.Module:
+        """Decoder layer `index` (a subclass may make some of them otherwise: models/moe.py)."""
+        return LlamaDecoderLayer(cfg, rotary, tp)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> hidden states of the tokens in batch.logits_indices, [S, H]."""

@@ -1,5 +1,6 @@
 """Load a local HF checkpoint directory: config.json, *.safetensors (sharded or not), tokenizer files.
-Weights are read only from safetensors (never pickle)."""
+Weights are read only from safetensors (never pickle); load_format "dummy" makes random ones instead,
+from config.json alone (benchmarks of large models without writing their checkpoints first)."""
 from __future__ import annotations
 
 import json
@@ -11,10 +12,24 @@ from torch import nn
 
 from batchgen.kernels.device import use_pdl
 from batchgen.models.llama import LlamaForCausalLM
-from batchgen.models.model_config import ModelConfig
+from batchgen.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from batchgen.models.moe import MoeForCausalLM
 from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 
 SKIPPED_WEIGHTS = ("rotary_emb.inv_freq",)
+
+# architecture (config.json's) -> the model class that runs it
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+}
+assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+DUMMY_STD = 0.02  # the spread of dummy weights (transformers' initializer_range): activations stay finite
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -28,9 +43,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _our_name(name: str, mapping: dict) -> tuple[str, str | None]:
+def _our_name(name: str, model: nn.Module) -> tuple[str, str | None]:
     name = name.removeprefix("model.")
-    for theirs, (ours, shard) in mapping.items():
+    special = getattr(model, "checkpoint_weight", None)  # (an MoE model's experts)
+    if special is not None and (found := special(name)) is not None:
+        return found
+    for theirs, (ours, shard) in model.packed_modules_mapping.items():
         if f".{theirs}." in name:
             return name.replace(f".{theirs}.", f".{ours}."), shard
     return name, None
@@ -45,7 +63,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             for name in f.keys():
                 if name.endswith(SKIPPED_WEIGHTS) or (tied and name == "lm_head.weight"):
                     continue
-                ours, shard = _our_name(name, model.packed_modules_mapping)
+                ours, shard = _our_name(name, model)
                 param = params.get(ours)
                 if param is None:
                     raise ValueError(f"checkpoint weight {name!r} has no place in the model")
@@ -59,24 +77,46 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     missing = set(params) - loaded - ({"lm_head.weight"} if tied else set())
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights: {', '.join(sorted(missing)[:5])}")
+    for name, module in model.named_modules():  # an MoE layer's experts load piece by piece
+        gaps = module.missing_weights() if hasattr(module, "missing_weights") else []
+        if gaps:
+            raise ValueError(f"checkpoint {model_dir} lacks weights: {name} {', '.join(gaps[:5])}")
     for param in params.values():  # done with: each is a bound method of the parameter's module, a
         if hasattr(param, "weight_loader"):  # reference cycle that would keep the weights after the model
             del param.weight_loader
 
 
+def fill_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights, normal * DUMMY_STD (norm weights 1), the same for a seed on every run. Each
+    parameter draws from its own generator seeded by (seed, its index), so the tensor-parallel ranks
+    fill their replicated parameters (norms, routers) alike."""
+    for index, (name, param) in enumerate(model.named_parameters()):
+        if hasattr(param, "weight_loader"):
+            del param.weight_loader  # (as load_weights does: it ties the parameter to its module)
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+            continue
+        gen = torch.Generator(param.device).manual_seed((seed * 1_000_003 + index) % 2**63)
+        param.data.copy_(torch.randn(param.shape, generator=gen, device=param.device, dtype=param.dtype))
+        param.data.mul_(DUMMY_STD)
+
+
 def build_model(
     cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-    tp: TensorParallel = SINGLE, pdl: bool = True,
+    tp: TensorParallel = SINGLE, pdl: bool = True, load_format: str = "auto", seed: int = 0,
 ) -> LlamaForCausalLM:
-    """The model with its weights; pdl: whether its kernels take programmatic dependent launch where the
-    GPU has it (EngineConfig.pdl)."""
+    """The model with its weights (load_format "dummy": random ones from seed); pdl: whether its kernels
+    take programmatic dependent launch where the GPU has it (EngineConfig.pdl)."""
     use_pdl(pdl)
     with torch.device(device):
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = LlamaForCausalLM(cfg, max_positions, tp)
+            model = MODEL_CLASSES[cfg.architecture](cfg, max_positions, tp)
         finally:
             torch.set_default_dtype(default_dtype)
-    load_weights(model, model_dir)
+    if load_format == "dummy":
+        fill_dummy_weights(model, seed)
+    else:
+        load_weights(model, model_dir)
     return model.eval()

@@ -5,13 +5,24 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# architecture -> family traits that config.json does not spell out
+# architecture -> family traits that config.json does not spell out. qkv_bias None: the config's
+# attention_bias; True/False: the config's qkv_bias where it has one (Qwen2-MoE in transformers 5), else
+# that. norm_topk_prob None: the config's (default False, as transformers' Qwen MoE configs); Mixtral's
+# router always renormalizes its top-k (softmax over the top-k logits is the same thing).
 SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": {"qkv_bias": None, "qk_norm": False},  # None: config's attention_bias
+    "LlamaForCausalLM": {"qkv_bias": None, "qk_norm": False},
     "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": None, "qk_norm": True},
+    "Qwen3MoeForCausalLM": {"qkv_bias": None, "qk_norm": True, "norm_topk_prob": None},
+    "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False, "norm_topk_prob": True},
+    "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False, "norm_topk_prob": None},
 }
+# config.json's model_type -> its architecture, for configs without "architectures" (a config class's
+# save_pretrained writes none: what a --load-format dummy benchmark may start from)
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+               "qwen2_moe": "Qwen2MoeForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -41,6 +52,19 @@ class ModelConfig:
     torch_dtype: str = "float32"
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
+    # mixture of experts (the defaults: a dense model). A layer i is sparse where num_experts > 0, i is not
+    # in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; dense layers use intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an MLP every token takes, gated by sigmoid
+
+    def is_moe_layer(self, index: int) -> bool:
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
 
 
 def _rope_settings(raw: dict) -> tuple[float, dict]:
@@ -66,11 +90,37 @@ def _as_list(value) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+def _moe_settings(raw: dict, arch: str, traits: dict) -> dict:
+    """The MoE fields of ModelConfig ({} for a dense architecture). transformers 4.x writes Qwen's expert
+    count as num_experts, 5.x as num_local_experts (Mixtral's in both); Mixtral's experts are
+    intermediate_size wide and every layer is sparse."""
+    if "norm_topk_prob" not in traits:
+        return {}
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    top_k = int(raw.get("num_experts_per_tok") or 0)
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise UnsupportedModelError(
+            f"{arch}: config.json needs num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts "
+            f"(got {num_experts}, {top_k})"
+        )
+    mixtral = arch == "MixtralForCausalLM"
+    norm = traits["norm_topk_prob"]
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(raw["intermediate_size"] if mixtral else raw["moe_intermediate_size"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)) if norm is None else norm,
+        decoder_sparse_step=1 if mixtral else int(raw.get("decoder_sparse_step") or 1),
+        mlp_only_layers=[] if mixtral else [int(i) for i in raw.get("mlp_only_layers") or []],
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+    )
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
     raw = json.loads((model_dir / "config.json").read_text())
     archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next((a for a in archs or [MODEL_TYPES.get(raw.get("model_type"))] if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedModelError(
             f"architecture {archs or raw.get('model_type')!r} is not supported; "
@@ -82,7 +132,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     theta, scaling = _rope_settings(raw)
     num_heads = raw["num_attention_heads"]
     attention_bias = bool(raw.get("attention_bias", False))
-    qkv_bias = attention_bias if traits["qkv_bias"] is None else traits["qkv_bias"]
+    qkv_bias = attention_bias if traits["qkv_bias"] is None else bool(raw.get("qkv_bias", traits["qkv_bias"]))
     eos = _as_list(raw.get("eos_token_id"))
     gen_path = model_dir / "generation_config.json"
     if gen_path.exists():
@@ -109,4 +159,5 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         eos_token_ids=eos,
         sliding_window=sliding,
+        **_moe_settings(raw, arch, traits),
     )
