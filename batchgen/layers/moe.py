@@ -13,59 +13,11 @@ RowParallelLinear's). The shared expert is split the same way and joins that one
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from batchgen.kernels import silu_and_mul
+from batchgen.kernels.fused_moe import fused_moe, select_experts
 from batchgen.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
-
-
-def moe_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H] (rows: gate then up), w2 [E, H, I], topk_weights [T, k] fp32, topk_ids
-    [T, k] -> [T, H] in x's dtype: the experts' weighted sum, summed in fp32. One pass per expert that has
-    tokens (their rows gathered, two products, each (token, k) pair's result written to its own row),
-    never per token; then the sum over k."""
-    num_tokens, k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)  # the (token, k) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # (one host sync a layer)
-    tokens = order // k
-    weights = topk_weights.reshape(-1)[order].float()
-    # (index_copy_ into a row per pair, not index_add_ into a row per token: CPU torch's index_add_ is
-    # ~1,000 times slower)
-    pairs = torch.empty(num_tokens * k, x.shape[1], dtype=torch.float32, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        h = silu_and_mul(F.linear(x.index_select(0, tokens[start:start + count]), w13[expert]))  # [n, I]
-        y = F.linear(h, w2[expert]).float() * weights[start:start + count, None]  # [n, H]
-        pairs.index_copy_(0, order[start:start + count], y)
-        start += count
-    return pairs.view(num_tokens, k, -1).sum(dim=1).to(x.dtype)
-
-
-def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
-    """The fused Triton kernel on a GPU (kernels/fused_moe.py), the torch loop elsewhere."""
-    if x.is_cuda:
-        from batchgen.kernels.fused_moe import fused_moe  # (only CUDA needs the kernel's module)
-
-        return fused_moe(x, w13, w2, topk_weights, topk_ids)
-    return moe_experts_torch(x, w13, w2, topk_weights, topk_ids)
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int32): softmax in fp32 over
-    all experts, the top k, renormalized to sum 1 where asked (Mixtral's softmax over its top-k logits
-    is the same)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
 
 
 class FusedExperts(nn.Module):
@@ -112,7 +64,7 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """-> this rank's partial sums [T, H]."""
-        return moe_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)  # (the torch reference on CPU)
 
 
 def _fill(target: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -152,7 +104,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:  # (the gate is replicated: scaling each rank's part scales the sum)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial_sums(x)

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchgen import LLM, SamplingParams
-from batchgen.layers.moe import FusedExperts, moe_experts_torch, route
+from batchgen.kernels.fused_moe import fused_moe_reference, select_experts
+from batchgen.layers.moe import FusedExperts
 from batchgen.models.model_config import load_model_config
 from batchgen.parallel.tensor_parallel import TensorParallel
 from tests.engine.test_hf_equality import MAX_TOKENS, assert_matches_hf, hf_reference, prompts, run  # noqa: F401
@@ -105,7 +106,8 @@ def test_experts_load_each_ranks_slice_from_either_form():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_expert_loop_equals_each_tokens_sum(dtype, tol):
-    """moe_experts_torch against the formula token by token (fp32): 13 tokens, 5 experts (one unused), top-2."""
+    """The CPU path (kernels/fused_moe.fused_moe_reference) against the formula token by token (fp32): 13 tokens,
+    5 experts (one unused), top-2, routed by select_experts."""
     gen = torch.Generator().manual_seed(0)
     tokens, hidden, inter, num_experts = 13, 16, 12, 5
     x = torch.randn(tokens, hidden, generator=gen)
@@ -113,7 +115,7 @@ def test_expert_loop_equals_each_tokens_sum(dtype, tol):
     w2 = torch.randn(num_experts, hidden, inter, generator=gen) * 0.3
     logits = torch.randn(tokens, num_experts, generator=gen)
     logits[:, 4] = -1e4  # expert 4 gets no token
-    weights, ids = route(logits, 2, renormalize=False)
+    weights, ids = select_experts(logits, 2, renormalize=False)
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
     torch.testing.assert_close(weights, torch.softmax(logits, -1).topk(2).values)
     want = torch.zeros(tokens, hidden)
@@ -121,7 +123,7 @@ def test_expert_loop_equals_each_tokens_sum(dtype, tol):
         for w, e in zip(weights[t], ids[t]):
             gate, up = (w13[e] @ x[t]).chunk(2)
             want[t] += w * (w2[e] @ (torch.nn.functional.silu(gate) * up))
-    got = moe_experts_torch(x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)
+    got = fused_moe_reference(x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
 
