@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from batchgen.config import DEVICES, DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES
+from batchgen.config import DEVICES, DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES, QUANTIZATIONS
 from batchgen.schema import INPUT_FORMATS, INT32_MAX, OUTPUT_FORMATS, FieldError, check_range
 
 
@@ -22,6 +22,7 @@ def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
 Dtype = _choices("Dtype", DTYPES)
 KvCacheDtype = _choices("KvCacheDtype", KV_CACHE_DTYPES)  # fp8 = fp8_e4m3
 Device = _choices("Device", DEVICES)
+Quantization = _choices("Quantization", QUANTIZATIONS)
 # auto: the model's generation_config.json gives the sampling defaults not given as options; none: built-ins
 GenerationConfig = _choices("GenerationConfig", GENERATION_CONFIGS)
 InputFormat = _choices("InputFormat", INPUT_FORMATS)
@@ -97,6 +98,11 @@ ENGINE_OPTIONS = (
             help="KV cache dtype; auto: the model's. fp8 (= fp8_e4m3): half the bytes of bf16, so twice the "
                  "tokens fit and long decodes read half as much; values are rounded (outputs differ slightly). "
                  "Needs a GPU of compute capability 8.9+ (Ada, Hopper) or the CPU."),
+    _option("quantization", Optional[Quantization], None, panel=ENGINE,
+            help="fp8: quantize a bf16/fp16/fp32 checkpoint at load, as vLLM's quantization=\"fp8\": the decoder's "
+                 "linear weights to fp8 e4m3 per output channel, their input activations per token (the LM head "
+                 "and embeddings stay). FP8 checkpoints (compressed-tensors, HF fp8 128x128 blocks) load as "
+                 "they are without it."),
     _option("enable_prefix_caching", bool, True, "--enable-prefix-caching/--no-enable-prefix-caching", panel=ENGINE,
             help="Reuse the KV of prompt prefixes computed before (a shared system prompt, few-shot examples, "
                  "the n samples of a row) instead of computing them again."),

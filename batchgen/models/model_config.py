@@ -5,6 +5,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchgen.models.errors import UnsupportedModelError
+from batchgen.models.quantization import Fp8Scheme, checkpoint_scheme
+
 # architecture -> family traits that config.json does not spell out
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": {"qkv_bias": None, "qk_norm": False},  # None: config's attention_bias
@@ -14,9 +17,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
-
-class UnsupportedModelError(ValueError):
-    pass
+__all__ = ["ModelConfig", "UnsupportedModelError", "load_model_config"]
 
 
 @dataclass
@@ -41,6 +42,7 @@ class ModelConfig:
     torch_dtype: str = "float32"
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
+    quantization: Fp8Scheme | None = None  # the checkpoint's FP8 form (models/quantization.py)
 
 
 def _rope_settings(raw: dict) -> tuple[float, dict]:
@@ -77,6 +79,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     traits = SUPPORTED_ARCHITECTURES[arch]
+    quantization = checkpoint_scheme(raw)  # (an unsupported one: refused before anything loads)
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported; supported: silu")
     theta, scaling = _rope_settings(raw)
@@ -109,4 +112,5 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         eos_token_ids=eos,
         sliding_window=sliding,
+        quantization=quantization,
     )
