@@ -161,6 +161,20 @@ def write(form: str, base: Path, path: Path) -> Path:
     return path
 
 
+def checkpoint_maker(root: Path):
+    """form -> directory of that form's checkpoint under root ("base": the fp32 one), each written once."""
+    made = {}
+
+    def get(form: str) -> Path:
+        if "base" not in made:
+            made["base"] = build_base(root / "base")
+        if form not in made:
+            made[form] = write(form, made["base"], root / form)
+        return made[form]
+
+    return get
+
+
 def with_quantization_config(base: Path, path: Path, quant: dict) -> Path:
     """The base checkpoint with only its config.json's quantization_config set (refusal tests)."""
     shutil.copytree(base, path)

@@ -87,8 +87,9 @@ def _compressed_tensors(config: dict) -> Fp8Scheme:
     else:
         activations = None
     if activations is None:
-        raise _refuse(f"compressed-tensors fp8 with weights {w_strategy} {weights.get('block_structure') or ''}"
-                      f"and activations {a_strategy} ({'dynamic' if dynamic else 'static'})")
+        blocks = f" {weights['block_structure']}" if weights.get("block_structure") else ""
+        raise _refuse(f"compressed-tensors fp8 with weights {w_strategy}{blocks} and activations {a_strategy} "
+                      f"({'dynamic' if dynamic else 'static'})")
     kv = config.get("kv_cache_scheme")
     if kv and not (_float8(kv) and kv.get("strategy") == "tensor" and not kv.get("dynamic")):
         raise _refuse(f"compressed-tensors kv_cache_scheme {kv}")

@@ -15,11 +15,10 @@ from batchgen.models.model_config import UnsupportedModelError
 from tests.fp8_checkpoints import (
     FORMS,
     IGNORED_DOWN,
-    build_base,
+    checkpoint_maker,
     greedy_reference,
     reference_model,
     with_quantization_config,
-    write,
 )
 from tests.tiny_models import EOS, VOCAB
 
@@ -35,16 +34,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """form -> directory ("base": the fp32 checkpoint), each written once."""
-    root = tmp_path_factory.mktemp("fp8")
-    made = {"base": build_base(root / "base")}
-
-    def get(form: str):
-        if form not in made:
-            made[form] = write(form, made["base"], root / form)
-        return made[form]
-
-    return get
+    return checkpoint_maker(tmp_path_factory.mktemp("fp8"))
 
 
 def reference(checkpoints, form: str, quantized: bool = True):
