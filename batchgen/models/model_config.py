@@ -17,8 +17,6 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
-__all__ = ["ModelConfig", "UnsupportedModelError", "load_model_config"]
-
 
 @dataclass
 class ModelConfig:

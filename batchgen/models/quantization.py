@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from batchgen.layers.fp8 import Fp8Form
+from batchgen.layers.fp8 import Fp8Form, make_fp8
 from batchgen.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear
 from batchgen.layers.packed_linear import PackableWeight
 from batchgen.models.errors import UnsupportedModelError
@@ -133,6 +133,18 @@ def resolve_scheme(checkpoint: Fp8Scheme | None, quantization: str | None) -> Fp
     return QUANTIZE_AT_LOAD
 
 
+def describe_scheme(scheme: Fp8Scheme | None) -> str | None:
+    """A scheme in a few words for the engine's description (the output's metadata), e.g. "fp8 checkpoint:
+    weights per channel, activations per token"; None: not quantized."""
+    if scheme is None:
+        return None
+    origin = "fp8 quantized at load" if scheme.quantize_at_load else "fp8 checkpoint"
+    weights = {"block": f"{BLOCK}x{BLOCK} blocks"}.get(scheme.weights, f"per {scheme.weights}")
+    activations = {"token": "per token", "tensor-static": "static per tensor",
+                   "group": f"per group of {BLOCK}"}[scheme.activations]
+    return f"{origin}: weights {weights}, activations {activations}"
+
+
 def _check_blocks(layer, name: str) -> None:
     """128x128 blocks: each rank's slice of each shard must start on a block boundary (the grid is cut
     along with the weight), which holds where every shard but the layer's last spans whole blocks."""
@@ -157,8 +169,6 @@ def apply_scheme(model, scheme: Fp8Scheme, packed_modules_mapping: dict) -> list
     """Make each quantized linear layer of the decoder FP8 (layers/fp8.make_fp8), before loading; the
     LM head and embeddings stay as they are. -> the FP8 layers. A merged layer (q/k/v, gate/up) must
     have all of its checkpoint modules quantized or none."""
-    from batchgen.layers.fp8 import make_fp8
-
     form = scheme.layer_form()
     layers = []
     for name, module in model.named_modules():

@@ -7,7 +7,6 @@ in tokens is tolerated only after a step where the reference's top-2 logits were
 import json
 import random
 
-import pyarrow.parquet as pq
 import pytest
 
 from batchgen import LLM, SamplingParams
@@ -20,6 +19,7 @@ from tests.fp8_checkpoints import (
     reference_model,
     with_quantization_config,
 )
+from tests.test_cli_run import read as read_output
 from tests.tiny_models import EOS, VOCAB
 
 LENGTHS = [1, 5, 40, 17]
@@ -136,10 +136,12 @@ REFUSED = {
 }
 
 
-def _run_args(tmp_path, model_dir, *options):
-    src = tmp_path / "in.jsonl"
+def _run_args(workdir, model_dir, *options):
+    """`batchgen run` of one prompt in workdir (in.jsonl -> out.parquet)."""
+    workdir.mkdir(exist_ok=True)
+    src = workdir / "in.jsonl"
     src.write_text('{"id": "a", "prompt": "hello"}\n')
-    return ("run", src, tmp_path / "out.parquet", "--model", model_dir, "--device", "cpu", "--dtype", "float32",
+    return ("run", src, workdir / "out.parquet", "--model", model_dir, "--device", "cpu", "--dtype", "float32",
             "--max-tokens", "2", *options)
 
 
@@ -159,7 +161,13 @@ def test_quantization_fp8_of_an_fp8_checkpoint_is_a_usage_error(batchgen, checkp
     assert done.returncode == 2 and "already quantized" in done.stderr, done.stderr
 
 
-def test_cli_runs_an_fp8_checkpoint(batchgen, checkpoints, tmp_path):
-    done = batchgen(*_run_args(tmp_path, checkpoints("channel-dynamic")))
+def test_cli_runs_an_fp8_checkpoint_and_records_its_form(batchgen, checkpoints, tmp_path):
+    done = batchgen(*_run_args(tmp_path, checkpoints("block")))
     assert done.returncode == 0, done.stderr
-    assert pq.read_table(tmp_path / "out.parquet").column("completion_tokens").to_pylist() == [2]
+    rows, meta = read_output(tmp_path / "out.parquet")
+    assert [r["completion_tokens"] for r in rows] == [2]
+    assert meta["quantization"] == "fp8 checkpoint: weights 128x128 blocks, activations per group of 128"
+    done = batchgen(*_run_args(tmp_path / "at-load", checkpoints("base"), "--quantization", "fp8"))
+    assert done.returncode == 0, done.stderr
+    assert read_output(tmp_path / "at-load" / "out.parquet")[1]["quantization"] == (
+        "fp8 quantized at load: weights per channel, activations per token")
