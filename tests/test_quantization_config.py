@@ -4,7 +4,13 @@ their ignore lists leave alone, and one-line refusals of anything else."""
 import pytest
 
 from batchgen.models.model_config import UnsupportedModelError
-from batchgen.models.quantization import QUANTIZE_AT_LOAD, Fp8Scheme, checkpoint_scheme, resolve_scheme
+from batchgen.models.quantization import (
+    QUANTIZE_AT_LOAD,
+    Fp8Scheme,
+    checkpoint_scheme,
+    kv_scale_target,
+    resolve_scheme,
+)
 from tests.fp8_checkpoints import QWEN3_FP8, quantization_config
 
 
@@ -66,3 +72,10 @@ def test_fp8_without_blocks_or_with_static_activations_is_refused():
     for config in (static, {**QWEN3_FP8, **static}):
         with pytest.raises(UnsupportedModelError, match="quantization fp8 with weight_block_size"):
             checkpoint_scheme({"quantization_config": config})
+
+
+def test_kv_cache_scale_names():
+    """llm-compressor's names now (self_attn.k_scale) and before (k_proj.output_scale)."""
+    assert kv_scale_target("model.layers.3.self_attn.k_scale") == (3, "k_scale")
+    assert kv_scale_target("model.layers.12.self_attn.v_proj.output_scale") == (12, "v_scale")
+    assert kv_scale_target("model.layers.3.self_attn.k_proj.weight_scale") is None

@@ -75,7 +75,7 @@ def _fp8_name(name: str) -> str:
 
 def _fp8_checked(name: str, tensor: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     """tensor, unless it is an fp8 weight for a layer the config leaves unquantized (it would run unscaled)."""
-    if tensor.dtype == E4M3 and param.dtype != E4M3:
+    if tensor.is_floating_point() and tensor.element_size() == 1 and param.dtype != E4M3:
         raise ValueError(f"checkpoint weight {name!r} is fp8 but its config.json's quantization_config does not "
                          f"quantize that layer (see its ignore list)")
     return tensor
