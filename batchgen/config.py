@@ -9,6 +9,7 @@ from pathlib import Path
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 = fp8_e4m3 (float8_e4m3fn)
 DEVICES = ("auto", "cuda", "cpu")
+QUANTIZATIONS = ("fp8",)  # quantize a bf16/fp16/fp32 checkpoint's linear layers at load (None: as it is)
 GENERATION_CONFIGS = ("auto", "none")  # auto: the model's generation_config.json gives sampling defaults
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (benchmarks), no *.safetensors
 
@@ -41,6 +42,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     kv_cache_tokens: int | None = None  # KV pool size in tokens; None: from the memory budget
     kv_cache_dtype: str = "auto"  # fp8: half the KV bytes of bf16 (twice the tokens in the pool), lossy
+    # fp8: weights per output channel, activations per token (models/quantization.py); FP8 checkpoints need none
+    quantization: str | None = None
     cpu_kv_cache_gb: float = 4.0  # KV pool byte budget on CPU
     cuda_graphs: bool = True  # replay captured graphs for decode-only steps on CUDA
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes computed before (engine/prefix_cache.py)
@@ -65,6 +68,8 @@ class EngineConfig:
         need(self.device in DEVICES, "device", f"{self.device!r}; choose one of {', '.join(DEVICES)}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
              f"{self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+        need(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+             f"{self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}, or leave it out")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         need(self.data_parallel_size == "auto" or (isinstance(self.data_parallel_size, int)
                                                     and not isinstance(self.data_parallel_size, bool)

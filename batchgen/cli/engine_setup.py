@@ -56,6 +56,7 @@ def _engine_setup(options: dict) -> _EngineSetup:
         max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
         gpu_memory_utilization=o["gpu_memory_utilization"], max_model_len=o["max_model_len"],
         kv_cache_tokens=o["kv_cache_tokens"], kv_cache_dtype=o["kv_cache_dtype"].value, seed=o["seed"],
+        quantization=o["quantization"].value if o["quantization"] is not None else None,
         enable_prefix_caching=o["enable_prefix_caching"], generation_config=o["generation_config"].value,
         load_format=o["load_format"].value,
     )
@@ -88,6 +89,7 @@ def _engine_setup(options: dict) -> _EngineSetup:
         **({"n": o["n"]} if o["n"] != 1 else {}),  # (absent for n=1: the fingerprints of earlier runs hold)
         **({"kv_cache_dtype": "fp8"} if o["kv_cache_dtype"] != KvCacheDtype.auto else {}),  # (fp8 = fp8_e4m3)
         **({"load_format": "dummy"} if o["load_format"].value == "dummy" else {}),  # (other weights: other rows)
+        **({"quantization": o["quantization"].value} if o["quantization"] is not None else {}),
         **({"structured": list(sampling.structured.key)} if sampling.structured is not None else {}),
     }
     # for the output's metadata and the summary: each default's value and where it came from

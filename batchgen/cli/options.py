@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from batchgen.config import DEVICES, DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES, LOAD_FORMATS
+from batchgen.config import DEVICES, DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS
 from batchgen.schema import INPUT_FORMATS, INT32_MAX, OUTPUT_FORMATS, FieldError, check_range
 
 
@@ -22,6 +22,7 @@ def _choices(name: str, values: tuple[str, ...]) -> type[Enum]:
 Dtype = _choices("Dtype", DTYPES)
 KvCacheDtype = _choices("KvCacheDtype", KV_CACHE_DTYPES)  # fp8 = fp8_e4m3
 Device = _choices("Device", DEVICES)
+Quantization = _choices("Quantization", QUANTIZATIONS)
 # auto: the model's generation_config.json gives the sampling defaults not given as options; none: built-ins
 GenerationConfig = _choices("GenerationConfig", GENERATION_CONFIGS)
 LoadFormat = _choices("LoadFormat", LOAD_FORMATS)
@@ -102,6 +103,11 @@ ENGINE_OPTIONS = (
             help="auto: the model directory's *.safetensors; dummy: random weights from its config.json alone "
                  "(the same for a --seed; the tokenizer still comes from the directory), for benchmarks of "
                  "models whose checkpoint is not at hand. The output is meaningless text."),
+    _option("quantization", Optional[Quantization], None, panel=ENGINE,
+            help="fp8: quantize a bf16/fp16/fp32 checkpoint at load, as vLLM's quantization=\"fp8\": the decoder's "
+                 "linear weights to fp8 e4m3 per output channel, their input activations per token (the LM head "
+                 "and embeddings stay). FP8 checkpoints (compressed-tensors, HF fp8 128x128 blocks) load as "
+                 "they are without it."),
     _option("enable_prefix_caching", bool, True, "--enable-prefix-caching/--no-enable-prefix-caching", panel=ENGINE,
             help="Reuse the KV of prompt prefixes computed before (a shared system prompt, few-shot examples, "
                  "the n samples of a row) instead of computing them again."),

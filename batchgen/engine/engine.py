@@ -24,6 +24,7 @@ from batchgen.executor.model_runner import ModelRunner
 from batchgen.executor.sampling import StepOutput
 from batchgen.executor.tp_workers import TPWorkers, tp_device
 from batchgen.models.model_config import load_model_config
+from batchgen.models.quantization import describe_scheme, resolve_scheme
 from batchgen.models.resolve import resolve_model_dir
 from batchgen.parallel.tensor_parallel import SINGLE
 from batchgen.sampling_params import SamplingParams
@@ -93,6 +94,7 @@ class LLMEngine:
             "max_num_batched_tokens": self.runner.max_num_batched_tokens,
             "kv_cache_tokens": self.kv.num_slots,
             "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
+            "quantization": describe_scheme(resolve_scheme(self.model_cfg.quantization, self.config.quantization)),
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "tensor_parallel_all_reduce": self.runner.tp.all_reduce_path,
             "enable_prefix_caching": self.config.enable_prefix_caching,

@@ -56,7 +56,8 @@ class ModelRunner:
         # the thread count first: loading converts and packs weights on these threads too
         self.cpu_threads = CpuThreads(cpu_threads_of(config, tp.size)) if self.device.type == "cpu" else None
         self.model = build_model(model_cfg, model_dir, self.dtype, self.device, self.max_model_len, tp,
-                                 pdl=config.pdl, load_format=config.load_format, seed=config.seed)
+                                 pdl=config.pdl, load_format=config.load_format, seed=config.seed,
+                                 quantization=config.quantization)
         if self.device.type == "cpu":
             keep_freed_memory()
             self.model.pack_weights()

@@ -21,7 +21,7 @@ from batchgen.kernels.device import num_sms
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-MIN_AMAX = 1e-6  # a row of zeros still gets a finite scale
+MIN_AMAX = 1e-12  # a row of zeros still gets a scale above 0 (no 0 / 0)
 GROUP = 128  # the block form's K group (and N block) of published checkpoints
 
 
@@ -49,21 +49,31 @@ def quantize_ref(x: torch.Tensor, scale: torch.Tensor | None = None, group: int 
     return q, s
 
 
+def round_ref(x: torch.Tensor, scale: torch.Tensor | None = None, group: int | None = None,
+              silu_mul: bool = False) -> torch.Tensor:
+    """x rounded to e4m3 as quantize_ref rounds it, and scaled back: fp32 [T, K] (the CPU's products
+    take their activations this way)."""
+    q, s = quantize_ref(x, scale, group, silu_mul)
+    if s.dim() == 2 and s.shape[1] > 1:  # per group: each scale over its group's columns
+        s = s.repeat_interleave(group, dim=1)[:, : q.shape[1]]
+    return q.float() * s
+
+
+def dequantize_weight_ref(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 W [N, K] times its scales, fp32: per output channel [N], or per 128x128 block [N/128, K/128]."""
+    if weight_scale.dim() == 1:
+        return weight.float() * weight_scale.float()[:, None]
+    ws = weight_scale.float().repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)
+    return weight.float() * ws[: weight.shape[0], : weight.shape[1]]
+
+
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, silu_mul: bool = False) -> torch.Tensor:
     """The definition, in fp32: activations rounded as quantize_ref rounds them, weights dequantized."""
     block = weight_scale.dim() == 2
-    q, s = quantize_ref(x, input_scale, GROUP if block else None, silu_mul)
-    xd = q.float()
-    if block:
-        xd = xd * s.repeat_interleave(GROUP, dim=1)[:, : q.shape[1]]
-        ws = weight_scale.repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)[: weight.shape[0], : weight.shape[1]]
-        wd = weight.float() * ws
-    else:
-        xd = xd * s
-        wd = weight.float() * weight_scale.float().view(-1, 1)
-    y = xd @ wd.t()
+    xd = round_ref(x, input_scale, GROUP if block and input_scale is None else None, silu_mul)
+    y = xd @ dequantize_weight_ref(weight, weight_scale).t()
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype)

@@ -20,6 +20,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         # [num_slots, num_kv_heads, head_dim] each; the runner assigns this layer's slice of the pool
         self.k_cache = self.v_cache = torch.empty(0)
+        # per-tensor scales of an fp8 KV cache: the checkpoint's (kv_cache_scheme, models/loader.py), else 1.0
+        self.k_scale = self.v_scale = 1.0
 
     def _takes_one_launch(self, q: torch.Tensor, batch: ForwardBatch) -> bool:
         """A decode step of one sequence on a GPU: rope, the KV store and attention in one launch. Not

@@ -3,6 +3,9 @@ copies its own slice of a checkpoint tensor, so the model loader stays a few lin
 
 ColumnParallelLinear: weight [out / tp, in]   (each rank computes a slice of the outputs)
 RowParallelLinear:    weight [out, in / tp]   (each rank a partial sum; all-reduced)
+
+An FP8 layer (layers/fp8.py) also holds weight_scale, fp32 [out rows] or its 128x128 block grid, and
+for static activations input_scale (0-dim): each loader takes the rank's slice of those with the weight.
 """
 from __future__ import annotations
 
@@ -33,8 +36,26 @@ class ColumnParallelLinear(PackableWeight, nn.Module):
             self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
 
+    def rows(self, shard: str | None) -> tuple[int, int, int]:
+        """(first row in this rank's weight, rows, first row in the checkpoint's tensor) of a shard."""
+        return 0, self.out_per_rank, self.tp.rank * self.out_per_rank
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-        _copy(param, loaded.narrow(0, self.tp.rank * self.out_per_rank, self.out_per_rank))
+        offset, size, start = self.rows(shard)
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+
+    def weight_scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        """FP8: a shard's scales, per row [rows] or [rows, 1], one per tensor (expanded to the shard's rows,
+        so that merged shards each keep their own), or a block grid [ceil(rows / B), ceil(in / B)]."""
+        offset, size, start = self.rows(shard)
+        if param.dim() == 2:  # (block grid: the shard's rows start on a block; models/quantization.py checks)
+            block = self.fp8.block
+            rows = -(-(offset + size) // block) - offset // block
+            _copy(param.data.narrow(0, offset // block, rows), loaded.narrow(0, start // block, rows))
+        elif loaded.numel() == 1:
+            param.data.narrow(0, offset, size).fill_(loaded.item())
+        else:
+            _copy(param.data.narrow(0, offset, size), loaded.reshape(-1).narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -54,11 +75,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias, silu_mul_out=self.gate_up)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    def rows(self, shard: str | None) -> tuple[int, int, int]:
         index = int(shard)
         size = self.out_sizes[index] // self.tp.size
-        offset = sum(self.out_sizes[:index]) // self.tp.size
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
+        return sum(self.out_sizes[:index]) // self.tp.size, size, self.tp.rank * size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -84,13 +104,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    def rows(self, shard: str | None) -> tuple[int, int, int]:
         if shard == "q":
-            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
-        else:
-            offset = self.q_size if shard == "k" else self.q_size + self.kv_size
-            size, start = self.kv_size, self.kv_head_start * self.head_dim
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+            return 0, self.q_size, self.tp.rank * self.q_size
+        offset = self.q_size if shard == "k" else self.q_size + self.kv_size
+        return offset, self.kv_size, self.kv_head_start * self.head_dim
 
 
 class RowParallelLinear(PackableWeight, nn.Module):
@@ -107,6 +125,17 @@ class RowParallelLinear(PackableWeight, nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         _copy(param, loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
+
+    def weight_scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        """FP8: per row [out] or [out, 1], one per tensor (expanded to every row), or a block grid
+        [ceil(out / B), ceil(in / B)] of which this rank takes its columns (its slice of in starts on a block)."""
+        if param.dim() == 2:
+            start = self.tp.rank * self.in_per_rank // self.fp8.block
+            _copy(param, loaded.narrow(1, start, param.shape[1]))
+        elif loaded.numel() == 1:
+            param.data.fill_(loaded.item())
+        else:
+            _copy(param, loaded.reshape(-1))
 
     def forward(
         self, x: torch.Tensor, silu_mul: bool = False, norm_follows: bool = False

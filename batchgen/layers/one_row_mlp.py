@@ -79,6 +79,8 @@ def one_row_mlps(mlps: list, device: torch.device, tp_size: int) -> list[OneRowM
     hidden = down.weight.shape[0]
     if gate_up.bias is not None or down.bias is not None or not supports(hidden):
         return None
+    if any(mlp.gate_up_proj.fp8 is not None or mlp.down_proj.fp8 is not None for mlp in mlps):
+        return None  # (FP8 layers have their own products: layers/fp8.py)
     if down.weight.dtype not in (torch.float16, torch.bfloat16) or gate_up.weight.numel() > MAX_GATE_UP:
         return None
     if uses_tma(torch.empty(1, hidden, dtype=down.weight.dtype, device=device), gate_up.weight):

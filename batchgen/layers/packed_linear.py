@@ -82,6 +82,7 @@ class PackableWeight:
     module shares it (a tied LM head's is the embedding's)."""
 
     packed: torch.Tensor | None = None
+    fp8 = None  # an FP8 layer's layers.fp8.Fp8Form: its own product, never the 16-bit kernels'
 
     def pack(self, keep_plain: bool = False) -> None:
         self.packed = pack_weight(self.weight)
@@ -90,8 +91,9 @@ class PackableWeight:
 
     def streams(self, x: torch.Tensor) -> bool:
         """Whether the product with x goes to the skinny kernel."""
-        # (packed weights are CPU's)
-        return streams_weight(x) and (self.weight.numel() <= SKINNY_MAX_WEIGHT or uses_tma(x, self.weight))
+        # (packed weights are CPU's; FP8 layers have their own product)
+        return (self.fp8 is None and streams_weight(x)
+                and (self.weight.numel() <= SKINNY_MAX_WEIGHT or uses_tma(x, self.weight)))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
                out: torch.Tensor | None = None, silu_mul_out: bool = False, parts_ok: bool = False) -> torch.Tensor:
@@ -101,6 +103,8 @@ class PackableWeight:
         pair [T, out]. parts_ok: the caller sums split-K parts, which the tile kernel may return instead,
         fp32 [S, T, out]. out [T, out]: where the GPU's product (no bias) is written, unless it comes
         in parts; the CPU's packed product returns a new tensor."""
+        if self.fp8 is not None:  # (the pair [T, out] for silu_mul_out, one part, a new tensor)
+            return self.fp8.product(self, x, bias, silu_mul)
         if self.streams(x):
             return stream_product(x, self.weight, bias, silu_mul, out=out if bias is None else None)
         if silu_mul:

@@ -11,9 +11,11 @@ from safetensors import safe_open
 from torch import nn
 
 from batchgen.kernels.device import use_pdl
+from batchgen.layers.fp8 import E4M3, finish_fp8
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from batchgen.models.moe import MoeForCausalLM
+from batchgen.models.quantization import apply_scheme, kv_scale_target, resolve_scheme
 from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 
 SKIPPED_WEIGHTS = ("rotary_emb.inv_freq",)
@@ -63,11 +65,13 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             for name in f.keys():
                 if name.endswith(SKIPPED_WEIGHTS) or (tied and name == "lm_head.weight"):
                     continue
-                ours, shard = _our_name(name, model)
+                if _load_kv_scale(model, name, f):
+                    continue
+                ours, shard = _our_name(_fp8_name(name), model)
                 param = params.get(ours)
                 if param is None:
                     raise ValueError(f"checkpoint weight {name!r} has no place in the model")
-                tensor = f.get_tensor(name).to(param.dtype)
+                tensor = _fp8_checked(name, f.get_tensor(name), param).to(param.dtype)
                 loader = getattr(param, "weight_loader", None)
                 if loader is None:
                     param.data.copy_(tensor)
@@ -101,12 +105,38 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
         param.data.mul_(DUMMY_STD)
 
 
+def _fp8_name(name: str) -> str:
+    """HF fp8's block scales (weight_scale_inv: dequantized = weight * weight_scale_inv) are our weight_scale."""
+    return name.removesuffix("_inv") if name.endswith(".weight_scale_inv") else name
+
+
+def _fp8_checked(name: str, tensor: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """tensor, unless it is an fp8 weight for a layer the config leaves unquantized (it would run unscaled)."""
+    if tensor.is_floating_point() and tensor.element_size() == 1 and param.dtype != E4M3:
+        raise ValueError(f"checkpoint weight {name!r} is fp8 but its config.json's quantization_config does not "
+                         f"quantize that layer (see its ignore list)")
+    return tensor
+
+
+def _load_kv_scale(model: nn.Module, name: str, f) -> bool:
+    """A checkpoint's per-tensor KV-cache scale goes to its layer's attention (k_scale / v_scale): True."""
+    target = kv_scale_target(name)
+    if target is None:
+        return False
+    layer, attribute = target
+    setattr(model.attention_layers()[layer], attribute, float(f.get_tensor(name).float().reshape(-1)[0]))
+    return True
+
+
 def build_model(
     cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
     tp: TensorParallel = SINGLE, pdl: bool = True, load_format: str = "auto", seed: int = 0,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """The model with its weights (load_format "dummy": random ones from seed); pdl: whether its kernels
-    take programmatic dependent launch where the GPU has it (EngineConfig.pdl)."""
+    take programmatic dependent launch where the GPU has it (EngineConfig.pdl); quantization:
+    EngineConfig.quantization (the checkpoint's own FP8 form needs none: models/quantization.py)."""
+    scheme = resolve_scheme(cfg.quantization, quantization, moe=cfg.num_experts > 0)
     use_pdl(pdl)
     with torch.device(device):
         default_dtype = torch.get_default_dtype()
@@ -115,8 +145,11 @@ def build_model(
             model = MODEL_CLASSES[cfg.architecture](cfg, max_positions, tp)
         finally:
             torch.set_default_dtype(default_dtype)
+        fp8_layers = [] if scheme is None else apply_scheme(model, scheme, model.packed_modules_mapping)
     if load_format == "dummy":
         fill_dummy_weights(model, seed)
     else:
         load_weights(model, model_dir)
+    for layer in fp8_layers:
+        finish_fp8(layer, dtype)
     return model.eval()

@@ -5,6 +5,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchgen.models.errors import UnsupportedModelError
+from batchgen.models.quantization import Fp8Scheme, checkpoint_scheme
+
 # architecture -> family traits that config.json does not spell out. qkv_bias None: the config's
 # attention_bias; True/False: the config's qkv_bias where it has one (Qwen2-MoE in transformers 5), else
 # that. norm_topk_prob None: the config's (default False, as transformers' Qwen MoE configs); Mixtral's
@@ -24,10 +27,6 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                "qwen2_moe": "Qwen2MoeForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class UnsupportedModelError(ValueError):
-    pass
 
 
 @dataclass
@@ -61,6 +60,8 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an MLP every token takes, gated by sigmoid
+
+    quantization: Fp8Scheme | None = None  # the checkpoint's FP8 form (models/quantization.py)
 
     def is_moe_layer(self, index: int) -> bool:
         return (self.num_experts > 0 and index not in self.mlp_only_layers
@@ -127,6 +128,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     traits = SUPPORTED_ARCHITECTURES[arch]
+    quantization = checkpoint_scheme(raw)  # (an unsupported one: refused before anything loads)
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {raw['hidden_act']!r} is not supported; supported: silu")
     theta, scaling = _rope_settings(raw)
@@ -160,4 +162,5 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         eos_token_ids=eos,
         sliding_window=sliding,
         **_moe_settings(raw, arch, traits),
+        quantization=quantization,
     )

@@ -35,6 +35,14 @@ def test_batchgen_run_equals_hf_greedy(kind, tiny_model, hf_reference, batchgen,
     assert_matches_hf(rows, hf_reference(kind))
 
 
+def test_fp8_of_a_moe_model_is_a_usage_error(tiny_model, batchgen, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": 0, "prompt_token_ids": [1, 2, 3]}) + "\n")
+    done = batchgen("run", src, tmp_path / "out.parquet", "--model", tiny_model("mixtral"), "--quantization", "fp8")
+    assert done.returncode == 2 and "mixture-of-experts" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
 # a tiny token budget (prefill in chunks of 7) and KV pool; with 4 sequences the pool runs dry (preemption)
 SQUEEZES = {"two_sequences": dict(max_num_seqs=2, max_num_batched_tokens=7, kv_cache_tokens=80),
             "preempting": dict(max_num_seqs=4, max_num_batched_tokens=7, kv_cache_tokens=80)}
