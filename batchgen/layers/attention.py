@@ -38,31 +38,41 @@ class Attention(nn.Module):
         """q [T, Hq, D], k/v [T, Hk, D] before rope; positions [T]; cos_sin_cache [P, D] fp32 = [cos | sin]
         -> [T, Hq, D]. Afterwards q and k hold unspecified values: the one launch leaves them as they
         were, rope_store_kv rotates q in place (and, on the CPU, k)."""
+        scale, v_scale = self.scale, None
+        if self.k_cache.dtype == torch.float8_e4m3fn and (self.k_scale != 1.0 or self.v_scale != 1.0):
+            # the pool holds k / k_scale and v / v_scale (rope is linear): q.k = k_scale * (q.k_pool),
+            # and the output is v_scale * (p.v_pool)
+            k, v, scale, v_scale = k / self.k_scale, v / self.v_scale, scale * self.k_scale, self.v_scale
+        out = self._attend(q, k, v, positions, cos_sin_cache, batch, scale)
+        return out if v_scale is None else out * v_scale
+
+    def _attend(self, q, k, v, positions, cos_sin_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """forward's attention with softmax scale `scale`, by the path the batch and the tensors pick."""
         if self._takes_one_launch(q, batch):
             return rope_decode_attention(
                 q, k, v, self.k_cache, self.v_cache, batch.req_to_token, batch.decode_rows, batch.decode_kv_lens,
-                positions, batch.out_slots, cos_sin_cache, batch.decode_max_kv_len, self.scale,
+                positions, batch.out_slots, cos_sin_cache, batch.decode_max_kv_len, scale,
             )
         rope_store_kv(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache, batch.out_slots)
         if batch.unified:
             return unified_attention(
                 q, self.k_cache, self.v_cache, batch.req_to_token, batch.seq_rows, batch.q_start,
-                batch.kv_lens, self.scale,
+                batch.kv_lens, scale,
             )
         nd = batch.num_decode
         if batch.num_prefill == 0:
             return decode_attention(
                 q, self.k_cache, self.v_cache, batch.req_to_token, batch.decode_rows,
-                batch.decode_kv_lens, batch.decode_max_kv_len, self.scale, batch.decode_schedule,
+                batch.decode_kv_lens, batch.decode_max_kv_len, scale, batch.decode_schedule,
             )
         out = torch.empty_like(q)
         if nd:
             out[:nd] = decode_attention(
                 q[:nd], self.k_cache, self.v_cache, batch.req_to_token, batch.decode_rows,
-                batch.decode_kv_lens, batch.decode_max_kv_len, self.scale, batch.decode_schedule,
+                batch.decode_kv_lens, batch.decode_max_kv_len, scale, batch.decode_schedule,
             )
         out[nd:] = prefill_attention(
             q[nd:], self.k_cache, self.v_cache, batch.req_to_token, batch.prefill_rows,
-            batch.prefill_q_start, batch.prefill_q_lens, batch.prefill_kv_lens, batch.prefill_max_q_len, self.scale,
+            batch.prefill_q_start, batch.prefill_q_lens, batch.prefill_kv_lens, batch.prefill_max_q_len, scale,
         )
         return out

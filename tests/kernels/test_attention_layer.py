@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from batchgen.kernels.kv_dtype import cast_for_cache
 from batchgen.layers import attention
 from batchgen.layers.attention import Attention
 from batchgen.layers.forward_batch import ForwardBatch
@@ -84,6 +85,37 @@ def test_unified_step_equals_split_step(device, assert_close, dtype):
     actual = run(_unified_batch(split, b, 4, pad_tokens, dummy_slot), total + pad_tokens)
     assert_close(actual[0], expected[0])
     assert torch.equal(actual[1], expected[1]) and torch.equal(actual[2], expected[2])
+
+
+def test_fp8_pool_with_kv_scales_keeps_keys_and_values_out_of_fp8s_range(device):
+    """K and V far past fp8's +-448 (saturated, unscaled) and V far below its smallest steps: with the
+    checkpoint's k_scale / v_scale the pool holds k / k_scale and v / v_scale, and the layer's output stays
+    close to an fp32 pool's; without them it does not."""
+    b, positions, rows, out_slots, qkv = _step(device, torch.float32)
+    cos_sin = _cos_sin_cache(64, device)
+    split = _split_batch(b, positions, rows, out_slots)
+    q, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
+    big, small = 3000.0, 1e-4  # (keys that would saturate, values that would lose every digit in e4m3)
+    k, v, q = k * big, v * small, q / big
+
+    def run(pool_dtype, k_scale=1.0, v_scale=1.0):
+        layer = Attention(HQ, HK, D, D**-0.5)
+        # the earlier tokens' K/V, stored as the layer stores them
+        layer.k_cache = cast_for_cache(b.k_cache.float() * big / k_scale, pool_dtype)
+        layer.v_cache = cast_for_cache(b.v_cache.float() * small / v_scale, pool_dtype)
+        layer.k_scale, layer.v_scale = k_scale, v_scale
+        t = len(positions)
+        out = layer(q.reshape(t, HQ, D).clone(), k.reshape(t, HK, D).clone(), v.reshape(t, HK, D).clone(),
+                    split.positions, cos_sin, split)
+        return out, layer
+
+    want, _ = run(torch.float32)
+    scaled, layer = run(torch.float8_e4m3fn, k_scale=big / 64, v_scale=small / 64)
+    unscaled, _ = run(torch.float8_e4m3fn)
+    assert layer.k_cache[out_slots].float().abs().max() < 448  # (not saturated: k / k_scale)
+    new = (scaled - want).abs().max() / want.abs().max()
+    old = (unscaled - want).abs().max() / want.abs().max()
+    assert new < 0.1 < old, (new, old)
 
 
 @pytest.mark.gpu
