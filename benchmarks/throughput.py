@@ -70,6 +70,15 @@ MODELS = {
     "llama-3.1-8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                      tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=131072)),
+    # mixtures of experts: run with --load-format dummy (their checkpoints are 61 and 93 GB)
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                      num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+                      tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=40960)),
+    "mixtral-8x7b": ("MixtralConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                     vocab_size=32000, tie_word_embeddings=False, rope_theta=1000000.0,
+                     max_position_embeddings=32768)),
     # not a benchmark: a model small enough to check the script on a CPU (its vocabulary holds the chat tokenizer's)
     "smoke": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=4096)),
