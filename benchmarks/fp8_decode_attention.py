@@ -13,6 +13,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fp8_gemm import time_us  # noqa: E402
 
 from batchgen.kernels.decode_attention import (  # noqa: E402
     _decode_attention_launch,
@@ -23,24 +26,6 @@ from batchgen.kernels.decode_attention import (  # noqa: E402
 from batchgen.kernels.device import num_sms  # noqa: E402
 
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "llama-3.2-1b": (32, 8, 64)}  # q heads, kv heads, head_dim
-
-
-def time_us(fn, calls: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / calls)
-    return best
 
 
 def main():
@@ -73,7 +58,7 @@ def main():
                         return _decode_attention_launch(q, kc, vc, table, rows, lens, kv_len, scale,
                                                         splits * more, bn, w, st)
                     try:
-                        us = time_us(fn)
+                        us = time_us(fn, calls=20)
                     except Exception as e:  # (a tile that does not fit)
                         line[f"{name}_{bn}_{w}_{st}_error"] = str(e)[:80]
                         continue
