@@ -12,10 +12,11 @@ from torch import nn
 
 from batchgen.kernels.device import use_pdl
 from batchgen.layers.fp8 import E4M3, finish_fp8
+from batchgen.models.fp8_layers import apply_scheme
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from batchgen.models.moe import MoeForCausalLM
-from batchgen.models.quantization import apply_scheme, kv_scale_target, resolve_scheme
+from batchgen.models.quantization import kv_scale_target, resolve_scheme
 from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 
 SKIPPED_WEIGHTS = ("rotary_emb.inv_freq",)

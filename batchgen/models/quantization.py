@@ -1,5 +1,6 @@
 """Which FP8 form a checkpoint's config.json `quantization_config` declares (or --quantization fp8 asks
-for), and which of the model's linear layers it quantizes.
+for), and which of the model's linear layers it quantizes (models/fp8_layers.py makes them FP8; this
+module reads configs only, so the host may import it without the layers and kernels).
 
 Supported, as published:
 - compressed-tensors (RedHatAI / neuralmagic *-FP8-dynamic, *-FP8, *-FP8-block): format float-quantized
@@ -16,9 +17,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from batchgen.layers.fp8 import Fp8Form, make_fp8
-from batchgen.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear
-from batchgen.layers.packed_linear import PackableWeight
 from batchgen.models.errors import UnsupportedModelError
 
 BLOCK = 128  # the one block size the kernels take
@@ -50,11 +48,6 @@ class Fp8Scheme:
             if entry == module or (entry.startswith("re:") and re.match(entry[3:], module)):
                 return False
         return True
-
-    def layer_form(self) -> Fp8Form:
-        # per-tensor weight scales are expanded to rows at load: the layer's weights are "channel"
-        weights = "block" if self.weights == "block" else "channel"
-        return Fp8Form(weights, self.activations, BLOCK, self.quantize_at_load)
 
 
 QUANTIZE_AT_LOAD = Fp8Scheme("channel", "token", quantize_at_load=True)  # as vLLM's quantization="fp8"
@@ -147,49 +140,6 @@ def describe_scheme(scheme: Fp8Scheme | None) -> str | None:
     activations = {"token": "per token", "tensor-static": "static per tensor",
                    "group": f"per group of {BLOCK}"}[scheme.activations]
     return f"{origin}: weights {weights}, activations {activations}"
-
-
-def _check_blocks(layer, name: str) -> None:
-    """128x128 blocks: each rank's slice of each shard must start on a block boundary (the grid is cut
-    along with the weight), which holds where every shard but the layer's last spans whole blocks."""
-    if isinstance(layer, ColumnParallelLinear):
-        if isinstance(layer, QKVParallelLinear):
-            sizes = [layer.q_size, layer.kv_size, layer.kv_size]
-        elif isinstance(layer, MergedColumnParallelLinear):
-            sizes = [s // layer.tp.size for s in layer.out_sizes]
-        else:
-            sizes = [layer.out_per_rank]
-        aligned = all(s % BLOCK == 0 for s in (sizes if layer.tp.size > 1 else sizes[:-1]))
-    else:
-        aligned = layer.tp.size == 1 or layer.in_per_rank % BLOCK == 0
-    if not aligned:
-        raise UnsupportedModelError(
-            f"{name}: 128x128 FP8 blocks need each merged shard and each tensor-parallel slice of it to span "
-            f"whole blocks of 128 rows; its sizes do not (try another --tensor-parallel-size)"
-        )
-
-
-def apply_scheme(model, scheme: Fp8Scheme, packed_modules_mapping: dict) -> list:
-    """Make each quantized linear layer of the decoder FP8 (layers/fp8.make_fp8), before loading; the
-    LM head and embeddings stay as they are. -> the FP8 layers. A merged layer (q/k/v, gate/up) must
-    have all of its checkpoint modules quantized or none."""
-    form = scheme.layer_form()
-    layers = []
-    for name, module in model.named_modules():
-        if not isinstance(module, PackableWeight) or module is model.lm_head:
-            continue
-        parent, ours = name.rsplit(".", 1)
-        theirs = [t for t, (o, _) in packed_modules_mapping.items() if o == ours] or [ours]
-        quantized = {scheme.quantizes(f"model.{parent}.{t}") for t in theirs}
-        if len(quantized) > 1:
-            raise UnsupportedModelError(f"model.{parent}: the config quantizes some of {', '.join(theirs)} "
-                                        f"but not all, which batchgen holds as one matrix")
-        if quantized.pop():
-            if scheme.weights == "block":
-                _check_blocks(module, f"model.{name}")
-            make_fp8(module, form)
-            layers.append(module)
-    return layers
 
 
 # checkpoint names of per-tensor KV-cache scales -> the attention's attribute
