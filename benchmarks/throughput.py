@@ -10,6 +10,16 @@ generate() then runs a randomly initialized model). Prints one JSON line per mea
 
 (benchmarks/results/ holds one file of JSON lines per device and date; README names the files its tables use.)
 
+--hf-continuous N runs the first N requests of each workload (the rows batchgen ran) through HF
+transformers' continuous batching, the manager that generate_batch() runs, with its default attention
+(paged sdpa, or flash attention where installed) and CUDA graph choice: greedy, each request to exactly
+its max_tokens (EOS off), timed from the first request submitted to the last result after a warm-up.
+The line adds hf_continuous_tok_s, hf_continuous_requests, hf_continuous_wall_s, hf_continuous_attention
+and ratio_vs_hf_continuous (batchgen's tok/s over HF's):
+
+    python benchmarks/throughput.py --model qwen3-30b-a3b --workload W-short --load-format dummy \
+        --hf-continuous 512
+
 W-prefix runs with the prefix cache on and off (ratio_vs_cache_off); W-n runs its n = 8 samples a
 prompt against the same job as separate rows, with the cache off and on (ratio_vs_separate_rows,
 ratio_vs_separate_rows_cache_on). --compare-cache-off adds a cache-off run to any other workload.
@@ -449,14 +459,21 @@ def run_node(model_dir: Path, requests: list[dict], temperature: float, dp: int,
     return best
 
 
-def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
+def hf_model(model_dir: Path):
+    """HF transformers' model of model_dir in bf16 on DEVICE (--load-format dummy: HF's own random
+    initialization from the config alone)."""
     import transformers as tf
 
-    if ENGINE_OPTIONS["load_format"] == "dummy":  # a config alone: HF's own random initialization
-        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
+    if ENGINE_OPTIONS["load_format"] == "dummy":  # initialized where it runs: a 30B model's 61 GB never on the host
+        with torch.device(DEVICE):
+            model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
     else:
         model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    model = model.to(DEVICE).eval()
+    return model.to(DEVICE).eval()
+
+
+def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
+    model = hf_model(model_dir)
     tokens = 0
     synchronize()
     start = time.perf_counter()
@@ -479,6 +496,68 @@ def run_hf(model_dir: Path, requests: list[dict], batch_size: int = 64) -> dict:
     del model
     empty_cache()
     return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens}
+
+
+def run_hf_continuous(model_dir: Path, requests: list[dict], warm_up_requests: int = 4) -> dict:
+    """HF transformers' continuous batching (the manager generate_batch() runs, with its attention: a paged
+    or varlen form of the model's sdpa, or flash attention where installed) on requests: greedy, each
+    request its own max_tokens, EOS off, so each generates exactly its max_tokens; the tokens are counted
+    from the results. Timed from the first request submitted to the last result, after generate_batch()'s
+    warm-up (CUDA graph captures) and a few requests through the same manager."""
+    import transformers as tf
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model = hf_model(model_dir)
+    longest = max(r["max_tokens"] for r in requests)
+    # eos_token_id -1: no token ends a request (the manager's own "disabled")
+    config = tf.GenerationConfig(do_sample=False, max_new_tokens=longest, eos_token_id=-1, pad_token_id=0)
+    hints = WorkloadHints(max_prompt_length=max(len(r["prompt_token_ids"]) for r in requests),
+                          max_generated_length=longest, num_requests=len(requests))  # as generate_batch() gives
+    # generate_batch()'s defaults on a GPU; on a CPU a small KV pool (the default takes most of the free memory,
+    # and zeroing it takes ~10 s)
+    sizes = {} if DEVICE == "cuda" else {"num_blocks": 64, "max_batch_tokens": 1024}
+    manager = model.init_continuous_batching(generation_config=config, workload_hints=hints,
+                                             continuous_batching_config=tf.ContinuousBatchingConfig(**sizes))
+    attention = model.config._attn_implementation  # the manager's switch, undone by stop()
+    if DEVICE == "cuda":  # generate_batch()'s CUDA graph captures; on a CPU it only costs time
+        manager.warmup()
+    manager.start()
+    try:
+        hf_continuous_results(manager, requests[:warm_up_requests], "warm-up")
+        synchronize()
+        start = time.perf_counter()
+        results = hf_continuous_results(manager, requests, "request")
+        synchronize()
+        wall = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    del manager, model
+    gc.collect()
+    empty_cache()
+    tokens = sum(len(r.generated_tokens) for r in results)
+    return {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "requests": len(results),
+            "attention": attention}
+
+
+def hf_continuous_results(manager, requests: list[dict], prefix: str) -> list:
+    """Submits requests to a started continuous batching manager -> their finished results, in order."""
+    ids = [f"{prefix}-{i}" for i in range(len(requests))]
+    for request_id, r in zip(ids, requests):
+        manager.add_request(r["prompt_token_ids"], request_id=request_id, max_new_tokens=r["max_tokens"],
+                            eos_token_id=-1)
+    done = {}
+    while len(done) < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError(f"HF continuous batching stopped with {len(ids) - len(done)} requests unfinished")
+            continue
+        if result.error is not None:
+            raise RuntimeError(f"HF continuous batching failed request {result.request_id}: {result.error}")
+        if result.is_finished():
+            done[result.request_id] = result
+    return [done[i] for i in ids]
 
 
 def plot(lines: list[dict], path: str) -> None:
@@ -505,6 +584,8 @@ def main(argv=None):
     ap.add_argument("--model", choices=list(MODELS), nargs="+", default=["llama-3.2-1b"])
     ap.add_argument("--workload", choices=list(WORKLOADS), nargs="+", default=["W-offline"])
     ap.add_argument("--hf-requests", type=int, default=0, help="run HF generate() on the first N requests")
+    ap.add_argument("--hf-continuous", type=int, default=0, metavar="N",
+                    help="run HF transformers' continuous batching (generate_batch's manager) on the first N requests")
     ap.add_argument("--requests", type=int, help="only the first N requests of each workload (smoke checks)")
     ap.add_argument("--repeats", type=int, help="runs of each variant, best counts (default: 2 for W-chat, else 1)")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -630,6 +711,13 @@ def main(argv=None):
                              "unconstrained_tok_s": round(base["tok_s"], 1),
                              "unconstrained_runs_tok_s": base["runs_tok_s"],
                              "json_ratio": round(ours["tok_s"] / base["tok_s"], 3)})
+            if args.hf_continuous:
+                hf = run_hf_continuous(model_dir, as_separate_rows(requests)[: args.hf_continuous])
+                line.update({"hf_continuous_requests": hf["requests"],
+                             "hf_continuous_tok_s": round(hf["tok_s"], 1),
+                             "hf_continuous_wall_s": round(hf["wall_s"], 2),
+                             "hf_continuous_attention": hf["attention"],
+                             "ratio_vs_hf_continuous": round(ours["tok_s"] / hf["tok_s"], 2)})
             if args.hf_requests:
                 hf = run_hf(model_dir, as_separate_rows(requests)[: args.hf_requests])
                 line.update({"hf_requests": min(args.hf_requests, len(requests)),
