@@ -51,6 +51,9 @@ class EngineConfig:
     trust_remote_code: bool = False  # only for tokenizers; batchgen never runs a checkpoint's model code
     generation_config: str = "auto"  # auto: sampling defaults from the model's generation_config.json; none: built-ins
     load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights from --seed (benchmarks)
+    # GPU: kernels whose per-row sums do not depend on the step's other rows, so a row's tokens are the same
+    # however the job is batched, chunked, cached, resumed or sharded (kernels/invariant_gemm.py)
+    batch_invariant: bool = False
     # GPU features to turn off when debugging a GPU or driver problem (BATCHGEN_PDL=0, BATCHGEN_SYMM_ALL_REDUCE=0)
     pdl: bool = field(default_factory=lambda: _env_on("BATCHGEN_PDL"))  # programmatic dependent launch, Hopper+
     symmetric_all_reduce: bool = field(default_factory=lambda: _env_on("BATCHGEN_SYMM_ALL_REDUCE"))  # off: NCCL

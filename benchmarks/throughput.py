@@ -601,6 +601,8 @@ def main(argv=None):
                     help="also run each workload with an fp8 KV cache (--kv-cache-dtype fp8)")
     ap.add_argument("--compare-fp8", action="store_true",
                     help="add --quantization fp8, it with an fp8 KV pool, and the 128-block checkpoint form")
+    ap.add_argument("--compare-batch-invariant", action="store_true",
+                    help="also run each workload with --batch-invariant (its cost, on the same rows)")
     ap.add_argument("--json-out", help="append the JSON lines to this file (benchmarks/results/DEVICE-DATE.jsonl)")
     ap.add_argument("--plot", help="write a PNG bar chart of this run's lines")
     ap.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
@@ -688,6 +690,13 @@ def main(argv=None):
                 line.update({"fp8_block_tok_s": round(block["tok_s"], 1), "fp8_block_runs_tok_s": block["runs_tok_s"],
                              "ratio_fp8_block_vs_bf16": round(block["tok_s"] / same_rows["tok_s"], 3),
                              "kv_cache_tokens": same_rows["kv_cache_tokens"]})
+            if args.compare_batch_invariant:
+                inv = other(requests, batch_invariant=True)
+                line.update({"batch_invariant_tok_s": round(inv["tok_s"], 1),
+                             "batch_invariant_runs_tok_s": inv["runs_tok_s"],
+                             "ratio_batch_invariant": round(inv["tok_s"] / same_rows["tok_s"], 3)})
+                if workload == "W-decode1":
+                    line["batch_invariant_ms_per_token"] = round(1000 / inv["tok_s"], 3)
             if workload == "W-n":
                 # the same job as n separate rows a prompt: without the cache (each row prefills its prompt)
                 # and with it (the rows share the prompt through the cache, as n's samples do)

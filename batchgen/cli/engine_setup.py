@@ -58,7 +58,7 @@ def _engine_setup(options: dict) -> _EngineSetup:
         kv_cache_tokens=o["kv_cache_tokens"], kv_cache_dtype=o["kv_cache_dtype"].value, seed=o["seed"],
         quantization=o["quantization"].value if o["quantization"] is not None else None,
         enable_prefix_caching=o["enable_prefix_caching"], generation_config=o["generation_config"].value,
-        load_format=o["load_format"].value,
+        load_format=o["load_format"].value, batch_invariant=o["batch_invariant"],
     )
     try:
         EngineConfig(model=o["model"], **engine_options)
@@ -90,6 +90,7 @@ def _engine_setup(options: dict) -> _EngineSetup:
         **({"kv_cache_dtype": "fp8"} if o["kv_cache_dtype"] != KvCacheDtype.auto else {}),  # (fp8 = fp8_e4m3)
         **({"load_format": "dummy"} if o["load_format"].value == "dummy" else {}),  # (other weights: other rows)
         **({"quantization": o["quantization"].value} if o["quantization"] is not None else {}),
+        **({"batch_invariant": True} if o["batch_invariant"] else {}),  # (other kernels: other bits)
         **({"structured": list(sampling.structured.key)} if sampling.structured is not None else {}),
     }
     # for the output's metadata and the summary: each default's value and where it came from

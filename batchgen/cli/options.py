@@ -108,6 +108,10 @@ ENGINE_OPTIONS = (
                  "linear weights to fp8 e4m3 per output channel, their input activations per token (the LM head "
                  "and embeddings stay). FP8 checkpoints (compressed-tensors, HF fp8 128x128 blocks) load as "
                  "they are without it."),
+    _option("batch_invariant", bool, False, panel=ENGINE,
+            help="GPU: a row's tokens are the same whatever else is in its batch, however its prompt is chunked "
+                 "or its prefix cached, so a resumed, sharded or re-batched job gives the same rows (at one GPU "
+                 "model and batchgen version; not with --tensor-parallel-size > 1). Slower: see README."),
     _option("enable_prefix_caching", bool, True, "--enable-prefix-caching/--no-enable-prefix-caching", panel=ENGINE,
             help="Reuse the KV of prompt prefixes computed before (a shared system prompt, few-shot examples, "
                  "the n samples of a row) instead of computing them again."),

@@ -99,6 +99,7 @@ class LLMEngine:
             "tensor_parallel_all_reduce": self.runner.tp.all_reduce_path,
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "seed": self.config.seed,
+            "batch_invariant": self.config.batch_invariant,
             "load_format": self.config.load_format,  # dummy: random weights (a benchmark), not the checkpoint
             "cpu_threads": self.config.cpu_threads if self.config.cpu_threads is not None else "auto",
             "pdl": self.config.pdl,

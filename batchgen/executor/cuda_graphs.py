@@ -72,6 +72,7 @@ class ModelGraphs:
         self.seq_rows = torch.full((max_num_seqs,), kv.pad_row, **i32)
         self.kv_lens = torch.ones(max_num_seqs, **i32)
         self.q_start = torch.zeros(max_num_seqs + 1, **i32)
+        self.decode_q_start = torch.arange(max_num_seqs + 1, **i32)  # a decode graph's: one query a sequence
         # decode graphs of 2 or more: the sequences longest context first (made in the graph)
         self.decode_schedule = torch.zeros(3 * max_num_seqs, **i32)
         # decode graphs: a decode-only step's packed inputs (at most len(FIELDS) + 1 values a sequence;
@@ -121,6 +122,7 @@ class ModelGraphs:
                 decode_schedule=self.decode_schedule[: 3 * n].view(3, n) if is_ordered(n, rows.device) else None,
                 prefill_rows=empty32, prefill_q_start=empty32, prefill_q_lens=empty32, prefill_kv_lens=empty32,
                 prefill_max_q_len=0, logits_indices=self.decode_logits[:n],
+                seq_rows=rows, q_start=self.decode_q_start[: n + 1], kv_lens=lens,  # (the unified view)
             )
         num_logits = min(n, self.max_num_seqs)
         return ForwardBatch(

@@ -58,10 +58,12 @@ class ModelRunner:
         self.model = build_model(model_cfg, model_dir, self.dtype, self.device, self.max_model_len, tp,
                                  pdl=config.pdl, load_format=config.load_format, seed=config.seed,
                                  quantization=config.quantization)
+        if config.batch_invariant:  # (refused for MoE and FP8 models, on every device)
+            self.model.use_batch_invariant_kernels()
         if self.device.type == "cpu":
             keep_freed_memory()
             self.model.pack_weights()
-        else:  # (before the KV pool is sized: it keeps a copy of each down projection)
+        elif not config.batch_invariant:  # (before the KV pool is sized: it keeps a copy of each down projection)
             self.model.use_one_row_mlps(self.device, tp.size)
         attn = self.model.attention_layers()[0]
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -73,7 +75,8 @@ class ModelRunner:
         self.sampler = Sampler(model_cfg.vocab_size, self.staging, tp, self.model.lm_head.start)
         if self.device.type == "cuda":
             warm_up(self)  # before any job's timing: every kernel specialization an eager step uses
-            tune_products(self)  # cuBLAS or a tile for each product of 65-256 rows (before graphs hold them)
+            if not config.batch_invariant:  # (its products take one kernel at every row count)
+                tune_products(self)  # cuBLAS or a tile for each product of 65-256 rows (before graphs hold them)
             if config.cuda_graphs:
                 with torch.inference_mode():
                     self.use_graphs(ModelGraphs(self.model, self.kv, config.max_num_seqs,
@@ -185,6 +188,7 @@ class ModelRunner:
         tokens), on one GPU, as HF transformers and vLLM sample (the LM head then writes half the
         bytes); else fp32."""
         narrow = (self.dtype != torch.float32 and self.device.type == "cuda" and self.tp.size == 1
+                  and not self.config.batch_invariant  # (a row's logits dtype must not follow its step's others)
                   and not scored and all(seq.plain_sampling for seq in samplers))
         return self.dtype if narrow else torch.float32
 

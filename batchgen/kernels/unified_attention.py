@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import interpreting, pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.kv_dtype import query_for_kv_dot
 from batchgen.kernels.prefill_attention import attend_keys
 
@@ -51,6 +51,8 @@ def _attend_query_block(
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D (and >= 16)
     DOT_PRECISION: tl.constexpr,
+    INVARIANT: tl.constexpr,
+    ROW_EXACT: tl.constexpr,
 ):
     rows = tl.arange(0, BLOCK_M)
     q_idx = first_q + rows // GROUP  # query index within the sequence
@@ -74,14 +76,16 @@ def _attend_query_block(
     # diagonal up to the block's last query. Every row sees key 0 (q_pos >= 0), so whichever phase
     # runs first leaves m_i finite.
     full_end = (prefix + first_q + 1) // BLOCK_N * BLOCK_N
+    if INVARIANT:  # every block through the one masked loop, whose code is the same for every query
+        full_end = 0
     kv_end = tl.minimum(kv_len, prefix + first_q + BLOCK_Q)
     acc, l_i, m_i = attend_keys(
         acc, l_i, m_i, q, q_pos, token_row, k_head_ptr, v_head_ptr, cache_stride_s,
-        0, full_end, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+        0, full_end, qk_scale, False, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, ROW_EXACT,
     )
     acc, l_i, m_i = attend_keys(
         acc, l_i, m_i, q, q_pos, token_row, k_head_ptr, v_head_ptr, cache_stride_s,
-        full_end, kv_end, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION,
+        full_end, kv_end, qk_scale, True, BLOCK_N, BLOCK_D, HEAD_DIM, DOT_PRECISION, ROW_EXACT,
     )
     out = acc / l_i[:, None]
     tl.store(
@@ -123,6 +127,8 @@ def _unified_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per step
     BLOCK_D: tl.constexpr,  # next power of 2 >= D (and >= 16)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
+    INVARIANT: tl.constexpr,  # batch_invariant (unified_attention_triton)
+    ROW_EXACT: tl.constexpr,  # the interpreter: products summed per element (prefill_attention.attend_keys)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_for_prior_kernels(PDL)
@@ -156,13 +162,15 @@ def _unified_attention_kernel(
         _attend_query_block(
             q_ptr, q_stride_t, q_stride_h, k_head_ptr, v_head_ptr, cache_stride_s,
             out_ptr, out_stride_t, out_stride_h, token_row, kv_head, q_first, first_q, q_len, kv_len,
-            qk_scale, GROUP, HEAD_DIM, SMALL_M, SMALL_Q, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            qk_scale, GROUP, HEAD_DIM, SMALL_M, SMALL_Q, BLOCK_N, BLOCK_D, DOT_PRECISION, INVARIANT,
+            ROW_EXACT,
         )
     else:
         _attend_query_block(
             q_ptr, q_stride_t, q_stride_h, k_head_ptr, v_head_ptr, cache_stride_s,
             out_ptr, out_stride_t, out_stride_h, token_row, kv_head, q_first, first_q, q_len, kv_len,
-            qk_scale, GROUP, HEAD_DIM, BLOCK_M, BLOCK_Q, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            qk_scale, GROUP, HEAD_DIM, BLOCK_M, BLOCK_Q, BLOCK_N, BLOCK_D, DOT_PRECISION, INVARIANT,
+            ROW_EXACT,
         )
 
 
@@ -177,7 +185,7 @@ def _pick_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int,
 
 def _unified_attention_launch(
     q, k_cache, v_cache, req_to_token, seq_rows, q_start, kv_lens, scale,
-    block_m, small_m, block_n, num_warps, num_stages,
+    block_m, small_m, block_n, num_warps, num_stages, invariant=False,
 ):
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = seq_rows.shape[0]
@@ -214,6 +222,8 @@ def _unified_attention_launch(
         BLOCK_N=block_n,
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INVARIANT=invariant,
+        ROW_EXACT=invariant and interpreting(),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch_args(q.device),
@@ -230,10 +240,18 @@ def unified_attention_triton(
     q_start: torch.Tensor,
     kv_lens: torch.Tensor,
     scale: float,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
-    config = _pick_config(q.shape[2], q.dtype)
+    """batch_invariant: one tile for every query (no small tile for decodes) and every key block through
+    the masked loop, so a query's bits depend on its sequence alone: its keys are read in BLOCK_N steps
+    from position 0 by the same code whatever else the launch holds, however the prompt was chunked (a
+    block masked whole adds exactly nothing)."""
+    block_m, small_m, block_n, num_warps, num_stages = _pick_config(q.shape[2], q.dtype)
+    if batch_invariant:
+        small_m = block_m
     return _unified_attention_launch(
-        q, k_cache, v_cache, req_to_token, seq_rows, q_start, kv_lens, scale, *config
+        q, k_cache, v_cache, req_to_token, seq_rows, q_start, kv_lens, scale, block_m, small_m, block_n,
+        num_warps, num_stages, invariant=batch_invariant,
     )
 
 
@@ -277,10 +295,13 @@ def unified_attention(
     q_start: torch.Tensor,
     kv_lens: torch.Tensor,
     scale: float,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """q: [T, Hq, D] (stride(2) == 1); k_cache, v_cache: [num_slots, Hk, D]; req_to_token:
     [rows, max_len] int32; seq_rows, kv_lens: [B] int32; q_start: [B + 1] int32 cumulative, from 0,
-    q_start[B] <= T -> o: [T, Hq, D], rows past q_start[B] unspecified."""
+    q_start[B] <= T -> o: [T, Hq, D], rows past q_start[B] unspecified. batch_invariant: see
+    unified_attention_triton."""
     if q.is_cuda:
-        return unified_attention_triton(q, k_cache, v_cache, req_to_token, seq_rows, q_start, kv_lens, scale)
+        return unified_attention_triton(q, k_cache, v_cache, req_to_token, seq_rows, q_start, kv_lens, scale,
+                                        batch_invariant)
     return unified_attention_ref(q, k_cache, v_cache, req_to_token, seq_rows, q_start, kv_lens, scale)

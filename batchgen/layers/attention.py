@@ -2,8 +2,9 @@
 then attention reading K/V through req_to_token: one unified launch for decodes and chunks together
 when the batch says so (step graphs), otherwise decode attention for the decode sequences and
 prefill (extend) attention for the chunks. A lone decode sequence on a GPU takes all of it in one
-launch instead (kernels/rope_decode_attention.py). The layer picks the path from the batch and the
-tensors; the model only hands it q, k and v before rope."""
+launch instead (kernels/rope_decode_attention.py). With batch_invariant (EngineConfig) every step on a
+GPU takes the unified launch's one tile, so a query's bits do not depend on its step. The layer picks
+the path from the batch and the tensors; the model only hands it q, k and v before rope."""
 from __future__ import annotations
 
 import torch
@@ -22,13 +23,15 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)
         # per-tensor scales of an fp8 KV cache: the checkpoint's (kv_cache_scheme, models/loader.py), else 1.0
         self.k_scale = self.v_scale = 1.0
+        # GPU: every step's queries through unified attention's one tile (EngineConfig.batch_invariant)
+        self.batch_invariant = False
 
     def _takes_one_launch(self, q: torch.Tensor, batch: ForwardBatch) -> bool:
         """A decode step of one sequence on a GPU: rope, the KV store and attention in one launch. Not
         for fp32 (its dots would not be exact), an fp8 pool, or head_dim other than 32 or 64 (larger
         heads would hold more of the merge in registers)."""
-        return (q.is_cuda and q.shape[0] == 1 and batch.num_decode == 1 and batch.num_prefill == 0
-                and not batch.unified and q.dtype in (torch.float16, torch.bfloat16)
+        return (q.is_cuda and not self.batch_invariant and q.shape[0] == 1 and batch.num_decode == 1
+                and batch.num_prefill == 0 and not batch.unified and q.dtype in (torch.float16, torch.bfloat16)
                 and self.k_cache.dtype == q.dtype and self.head_dim in (32, 64))
 
     def forward(
@@ -54,10 +57,11 @@ class Attention(nn.Module):
                 positions, batch.out_slots, cos_sin_cache, batch.decode_max_kv_len, scale,
             )
         rope_store_kv(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache, batch.out_slots)
-        if batch.unified:
+        invariant = self.batch_invariant and q.is_cuda  # (decode steps too: every batch has a unified view)
+        if batch.unified or invariant:
             return unified_attention(
                 q, self.k_cache, self.v_cache, batch.req_to_token, batch.seq_rows, batch.q_start,
-                batch.kv_lens, scale,
+                batch.kv_lens, scale, invariant,
             )
         nd = batch.num_decode
         if batch.num_prefill == 0:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.kernels.gumbel_argmax import GROUP
+from batchgen.kernels.invariant_gemm import invariant_gemm
 from batchgen.layers.packed_linear import PackableWeight, stream_product, streams_weight
 from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 
@@ -58,6 +59,8 @@ class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
         GPU: in hidden's 16-bit dtype, as HF transformers' and vLLM's LM heads write them (a step that
         only samples them: model_runner.ModelRunner.logits_dtype); half the bytes to write and read back."""
         real = max(0, min(self.rows_per_rank, self.vocab_size - self.start))
+        if self.batch_invariant and hidden.is_cuda:  # (fp32 straight from the kernel's sums)
+            return invariant_gemm(hidden, self.weight, out_dtype=torch.float32 if fp32 else hidden.dtype)[:, :real]
         logits = None
         if hidden.is_cuda and hidden.dtype != torch.float32:
             if streams_weight(hidden):  # one row: the skinny kernel streams the head faster than cuBLAS

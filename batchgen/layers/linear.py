@@ -153,7 +153,7 @@ class RowParallelLinear(PackableWeight, nn.Module):
         y = self.matmul(x, silu_mul=silu_mul and x.shape[-1] == 2 * self.in_per_rank, out=out, parts_ok=parts_ok)
         if y.dim() == x.dim() + 1:  # split-K parts [S, T, out] (parts_ok): the norm after the product sums them
             return SplitParts(y)
-        if norm_follows and self.bias is None and self.tp.defers_sum(y):
+        if norm_follows and self.bias is None and not self.batch_invariant and self.tp.defers_sum(y):
             return PartialSums(y, self.tp)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels import decode_mlp_gluon, silu_and_mul
+from batchgen.kernels.invariant_gemm import invariant_gemm, split_of
 from batchgen.kernels.skinny_gemm import skinny_gemm, uses_tma
 from batchgen.kernels.tile_gemm import tile_for, tile_gemm
 
@@ -83,6 +84,7 @@ class PackableWeight:
 
     packed: torch.Tensor | None = None
     fp8 = None  # an FP8 layer's layers.fp8.Fp8Form: its own product, never the 16-bit kernels'
+    batch_invariant = False  # GPU products through kernels/invariant_gemm.py (EngineConfig.batch_invariant)
 
     def pack(self, keep_plain: bool = False) -> None:
         self.packed = pack_weight(self.weight)
@@ -92,7 +94,7 @@ class PackableWeight:
     def streams(self, x: torch.Tensor) -> bool:
         """Whether the product with x goes to the skinny kernel."""
         # (packed weights are CPU's; FP8 layers have their own product)
-        return (self.fp8 is None and streams_weight(x)
+        return (self.fp8 is None and not self.batch_invariant and streams_weight(x)
                 and (self.weight.numel() <= SKINNY_MAX_WEIGHT or uses_tma(x, self.weight)))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
@@ -105,6 +107,8 @@ class PackableWeight:
         in parts; the CPU's packed product returns a new tensor."""
         if self.fp8 is not None:  # (the pair [T, out] for silu_mul_out, one part, a new tensor)
             return self.fp8.product(self, x, bias, silu_mul)
+        if self.batch_invariant and x.is_cuda:  # (the pair, never SiLU-and-mul'd, for silu_mul_out)
+            return self.invariant_product(x, bias, silu_mul, out, parts_ok)
         if self.streams(x):
             return stream_product(x, self.weight, bias, silu_mul, out=out if bias is None else None)
         if silu_mul:
@@ -117,3 +121,12 @@ class PackableWeight:
         if out is not None and bias is None and x.dim() == 2:
             return torch.mm(x, self.weight.t(), out=out)
         return F.linear(x, self.weight, bias)
+
+    def invariant_product(self, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+                          out: torch.Tensor | None, parts_ok: bool) -> torch.Tensor:
+        """matmul in batch-invariant mode: every row count through the one kernel, K split (into parts the
+        caller sums) by the weight's shape alone."""
+        if silu_mul:
+            x = silu_and_mul(x)
+        split = split_of(*self.weight.shape) if parts_ok and bias is None else 1
+        return invariant_gemm(x, self.weight, bias, split, out=out if split == 1 else None)

@@ -73,3 +73,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         (layers/one_row_mlp.py): an MoE model's layers keep their own products."""
         for layer in self.layers:
             layer.one_row_mlp = None
+
+    def use_batch_invariant_kernels(self) -> None:
+        """Refused: the fused MoE groups a step's tokens by expert, and its tiles follow the step's size."""
+        raise ValueError("--batch-invariant does not cover mixture-of-experts models yet; leave out --batch-invariant")

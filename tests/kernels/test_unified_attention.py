@@ -138,3 +138,53 @@ def test_unified_attention_in_cuda_graph(device, assert_close, q_heads, kv_heads
         _check(out, unified_attention_ref(*args), args, assert_close)
         used = int(q_start[-1])
         assert torch.equal(out[:used], unified_attention_triton(*args)[:used])
+
+
+def _probe_rows(layout, dtype, device, heads, probe_len=45):
+    """Run unified attention (batch_invariant) on each launch of `layout` -> {position: output row} of
+    the probe sequence (table row 0). A launch is [(table row, first position, queries)]; row 0 is the
+    probe, whose queries are fixed per position; the other rows' queries are random. One pool for all."""
+    q_heads, kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(7)
+    rows, width = 5, max(64, probe_len + 5)
+    slots = torch.randperm(rows * width, generator=gen).int().view(rows, width)
+    k_cache = torch.randn(rows * width, kv_heads, head_dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(rows * width, kv_heads, head_dim, generator=gen).to(device, dtype)
+    probe_q = torch.randn(probe_len, q_heads, head_dim, generator=gen)
+    got = {}
+    for launch in layout:
+        qs = [probe_q[first : first + n] if row == 0 else torch.randn(n, q_heads, head_dim, generator=gen)
+              for row, first, n in launch]
+        q = torch.cat(qs).to(device, dtype)
+        q_start = torch.tensor([0] + [n for _, _, n in launch]).cumsum(0).int().to(device)
+        seq_rows = torch.tensor([row for row, _, _ in launch]).int().to(device)
+        kv_lens = torch.tensor([first + n for _, first, n in launch]).int().to(device)
+        out = unified_attention_triton(q, k_cache, v_cache, slots.to(device), seq_rows, q_start, kv_lens, 0.25,
+                                       batch_invariant=True)
+        for (row, first, n), start in zip(launch, q_start.tolist()):
+            if row == 0:
+                got.update({first + j: out[start + j] for j in range(n)})
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2, 16)] + [pytest.param(h, marks=pytest.mark.gpu)
+                                                  for h in [(32, 8, 64), (14, 2, 64), (32, 8, 128)]])
+def test_batch_invariant_rows_depend_on_their_sequence_alone(device, dtype, heads):
+    """--batch-invariant: a query's output bits are the same whether its prompt runs whole, chunked at
+    another boundary, beside other sequences (decodes and chunks), or as a decode of one token (16-bit:
+    an fp32 model on a GPU is not covered)."""
+    n = 150  # keys in several BLOCK_N blocks: chunks start inside, at and past block boundaries
+    whole = _probe_rows([[(0, 0, n)]], dtype, device, heads, n)
+    layouts = {
+        "chunked": [[(0, 0, 17)], [(0, 17, 47)], [(0, 64, 70)], [(0, 134, 16)]],
+        "chunked in a batch": [[(1, 10, 1), (2, 0, 30), (0, 0, 5)], [(3, 3, 20), (0, 5, 100), (1, 11, 1)],
+                               [(0, 105, 45), (4, 40, 2)]],
+        "decodes": [[(0, 0, n - 5)]] + [[(1, 20 + p, 1), (2, 3, 9)][: p % 3] + [(0, p, 1)] for p in range(n - 5, n)],
+        "cached prefix": [[(0, 129, 21)], [(0, 0, 129)]],  # (the pool already holds the prefix's K/V)
+    }
+    for name, layout in layouts.items():
+        got = _probe_rows(layout, dtype, device, heads, n)
+        assert sorted(got) == list(range(n)), name
+        changed = [p for p in range(n) if not torch.equal(got[p], whole[p])]
+        assert not changed, f"{name}: positions {changed} differ from the whole prompt's"
