@@ -9,29 +9,22 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
+from benchmarks.throughput import MODELS, build_model
 from tests.test_cli_run import REPO, batchgen, command, environment, read, texts, wait_for_parts, write_jsonl
-from tests.tiny_models import save_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-SHAPES = {
-    "llama-3.2-1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-                     tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072)),
-    "qwen2.5-0.5b": ("Qwen2Config", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                     num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                     max_position_embeddings=32768)),
-}
+SHAPES = ("llama-3.2-1b", "qwen2.5-0.5b")
 PROBES, OTHERS, NEW_TOKENS = 64, 1024, 64
 
 
-def config_only(name: str, path):
-    import transformers as tf
+def config_only(name: str, root) -> str:
+    """The benchmark shape's config.json and a tokenizer (weights: --load-format dummy)."""
+    return str(build_model(name, root, weights=False))
 
-    cls, shape = SHAPES[name]
-    getattr(tf, cls)(**shape, eos_token_id=None, bos_token_id=None, pad_token_id=None).save_pretrained(path)
-    save_tokenizer(path)
-    return str(path)
+
+def vocab(name: str) -> int:
+    return MODELS[name][1]["vocab_size"]
 
 
 def requests(count: int, vocab: int, seed: int, prefix: str) -> list[dict]:
@@ -44,11 +37,10 @@ def by_id(results, rows) -> dict:
     return {row["id"]: r["output_token_ids"] for row, r in zip(rows, results)}
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("name", SHAPES)
 def test_probe_rows_are_the_same_alone_among_others_and_eight_at_a_time(name, tmp_path):
-    model = config_only(name, tmp_path / name)
-    vocab = SHAPES[name][1]["vocab_size"]
-    probes, others = requests(PROBES, vocab, 1, "p"), requests(OTHERS, vocab, 2, "o")
+    model = config_only(name, tmp_path)
+    probes, others = requests(PROBES, vocab(name), 1, "p"), requests(OTHERS, vocab(name), 2, "o")
     mixed = others[:]
     for i, row in enumerate(probes):  # the probes spread among the others
         mixed.insert(i * (OTHERS // PROBES) + i, row)
@@ -70,8 +62,8 @@ def test_probe_rows_are_the_same_alone_among_others_and_eight_at_a_time(name, tm
 
 
 def test_a_killed_and_rerun_job_gives_the_uninterrupted_rows(tmp_path):
-    model = config_only("llama-3.2-1b", tmp_path / "model")
-    src = write_jsonl(tmp_path / "in.jsonl", requests(3000, SHAPES["llama-3.2-1b"][1]["vocab_size"], 3, "r"))
+    model = config_only("llama-3.2-1b", tmp_path)
+    src = write_jsonl(tmp_path / "in.jsonl", requests(3000, vocab("llama-3.2-1b"), 3, "r"))
     options = ["--model", model, "--load-format", "dummy", "--batch-invariant", "--max-tokens", str(NEW_TOKENS),
                "--ignore-eos", "--temperature", "0.8", "--log-every", "0"]
     done = batchgen("run", src, tmp_path / "whole.parquet", *options)
