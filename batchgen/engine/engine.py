@@ -52,6 +52,9 @@ class LLMEngine:
         self._token_text = token_text_of(self.tokenizer)  # top_logprobs' token strings
         self.workers: TPWorkers | None = None  # ranks 1..N-1 under tensor parallelism
         tp = SINGLE
+        if config.batch_invariant and config.tensor_parallel_size > 1:
+            log.warning("--batch-invariant: the sums over --tensor-parallel-size %d GPUs are not pinned to one "
+                        "order, so a row's tokens may still follow its batch", config.tensor_parallel_size)
         if config.tensor_parallel_size > 1:
             self.workers = TPWorkers(config, self.model_dir, tp_device(config))
             self._finalizer = weakref.finalize(self, self.workers.close)  # collected or exiting: end them

@@ -56,3 +56,11 @@ def test_the_cli_records_it_and_keeps_it_in_the_outputs_settings(tiny_model, bat
     moe = batchgen("run", src, tmp_path / "moe.parquet", "--model", tiny_model("qwen3-moe"), "--batch-invariant")
     assert moe.returncode != 0 and "--batch-invariant does not cover mixture-of-experts" in moe.stderr
     assert "Traceback" not in moe.stderr
+
+
+def test_tensor_parallel_says_it_is_not_covered(tiny_model, caplog):
+    with caplog.at_level("WARNING", logger="batchgen"):
+        with LLM(str(tiny_model("llama")), batch_invariant=True, tensor_parallel_size=2) as llm:
+            result = llm.generate_list([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2))[0]
+    assert result["error"] is None
+    assert "--batch-invariant: the sums over --tensor-parallel-size 2 GPUs are not pinned" in caplog.text
