@@ -68,3 +68,34 @@ def batchgen(capsys, monkeypatch):
         return Done(exit_info.value.code, out.out, out.err)
 
     return call
+
+
+@pytest.fixture(scope="session")
+def run_job(tmp_path_factory):
+    """tests/test_cli_run.py's shared job (JOB_ROWS) and its uninterrupted `batchgen run` output under
+    JOB_OPTIONS -> (input, rows): the reference of the interruption, shard and replica tests of several
+    modules, run once per session (a CLI run of the default model is CI's dearest set-up)."""
+    from tests.test_cli_run import JOB_OPTIONS, JOB_ROWS, batchgen, read, write_jsonl
+
+    tmp = tmp_path_factory.mktemp("job")
+    src = write_jsonl(tmp / "job.jsonl", JOB_ROWS)
+    done = batchgen("run", src, tmp / "whole.parquet", *JOB_OPTIONS)
+    assert done.returncode == 0, done.stderr
+    rows, _ = read(tmp / "whole.parquet")
+    return src, rows
+
+
+@pytest.fixture(scope="session")
+def worker_job(tmp_path_factory):
+    """tests/test_worker.py's job (ROWS) and `batchgen run`'s output of it under its OPTIONS -> (input,
+    table): the reference of every queue job of the worker tests, single or with replicas, run once."""
+    import pyarrow.parquet as pq
+
+    from tests.test_cli_run import batchgen, write_jsonl
+    from tests.test_worker import OPTIONS, ROWS
+
+    tmp = tmp_path_factory.mktemp("worker-job")
+    src = write_jsonl(tmp / "job.jsonl", ROWS)
+    done = batchgen("run", src, tmp / "run.parquet", *OPTIONS)
+    assert done.returncode == 0, done.stderr
+    return src, pq.read_table(tmp / "run.parquet")

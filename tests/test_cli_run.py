@@ -20,14 +20,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-# The job the interruption and sharding tests share: every row runs to exactly 16 tokens, two at a time,
-# each finished row saved at once, so that a signal lands while some rows are saved and others are not.
+# The job the interruption and sharding tests share (its reference output: conftest's run_job): every row
+# runs to exactly 8 tokens, two at a time, each finished row saved at once, so that a signal lands while
+# some rows are saved and others are not.
 JOB_ROWS = [{"id": f"row{i}", "prompt": f"Write a short note number {i} about the weather in spring."}
             for i in range(10)]
 # fp32: these tests compare greedy texts of runs that batch rows differently (resumed, sharded); in
 # bf16 (the CPU default where it is native) a different batch can round a near-tie the other way.
 JOB_OPTIONS = [
-    "--max-tokens", "16", "--temperature", "0", "--ignore-eos", "--max-num-seqs", "2", "--flush-rows", "1",
+    "--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--max-num-seqs", "2", "--flush-rows", "1",
     "--dtype", "float32",
 ]
 
@@ -71,17 +72,6 @@ def assert_metrics_consistent(rows: list[dict]) -> None:
         assert 0 <= r["queue_s"] <= r["ttft_s"] <= r["e2e_s"]
         assert r["prefill_s"] >= 0 and r["decode_s"] >= 0
         assert r["ttft_s"] + r["decode_s"] == pytest.approx(r["e2e_s"], abs=1e-3)
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """The shared job's input and its uninterrupted output."""
-    tmp = tmp_path_factory.mktemp("job")
-    src = write_jsonl(tmp / "job.jsonl", JOB_ROWS)
-    done = batchgen("run", src, tmp / "whole.parquet", *JOB_OPTIONS)
-    assert done.returncode == 0, done.stderr
-    rows, _ = read(tmp / "whole.parquet")
-    return src, rows
 
 
 def test_jsonl_job_end_to_end(tmp_path):
@@ -220,8 +210,8 @@ def test_logprobs_columns_when_rows_ask_for_them(tmp_path):
             assert got["d"]["error"] == "logprobs must be true or false, got str"
 
 
-def test_sigkill_mid_job_then_rerun_gives_every_row_once_and_the_same_texts(job, tmp_path):
-    src, whole = job
+def test_sigkill_mid_job_then_rerun_gives_every_row_once_and_the_same_texts(run_job, tmp_path):
+    src, whole = run_job
     out = tmp_path / "out.parquet"
     workdir = tmp_path / "out.parquet.partial"
     process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS), env=environment(), cwd=REPO,
@@ -240,8 +230,8 @@ def test_sigkill_mid_job_then_rerun_gives_every_row_once_and_the_same_texts(job,
     assert not workdir.exists()
 
 
-def test_sigterm_exits_75_leaves_nothing_at_output_and_the_rerun_completes(job, tmp_path):
-    src, whole = job
+def test_sigterm_exits_75_leaves_nothing_at_output_and_the_rerun_completes(run_job, tmp_path):
+    src, whole = run_job
     out = tmp_path / "out.parquet"
     workdir = tmp_path / "out.parquet.partial"
     process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS), env=environment(), cwd=REPO,
@@ -262,8 +252,8 @@ def test_sigterm_exits_75_leaves_nothing_at_output_and_the_rerun_completes(job, 
     assert texts(rows) == texts(whole)
 
 
-def test_shards_union_is_the_whole_job(job, tmp_path):
-    src, whole = job
+def test_shards_union_is_the_whole_job(run_job, tmp_path):
+    src, whole = run_job
     union = []
     for i in range(3):
         out = tmp_path / f"shard-{i}.parquet"
@@ -276,8 +266,8 @@ def test_shards_union_is_the_whole_job(job, tmp_path):
     assert texts(union) == texts(whole)
 
 
-def test_leftover_with_other_settings_is_refused(job, tmp_path):
-    src, _ = job
+def test_leftover_with_other_settings_is_refused(run_job, tmp_path):
+    src, _ = run_job
     out = tmp_path / "out.parquet"
     process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS), env=environment(), cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
