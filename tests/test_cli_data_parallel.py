@@ -1,6 +1,8 @@
 """`batchgen run --data-parallel-size 2` on CPU (two replica processes sharing the cores): one input read
 once into one output, the rows of one replica's run; SIGTERM, SIGKILL of the parent or of a replica,
-and --shard keep run's guarantees (every row exactly once, the same texts); bad values are usage errors."""
+and --shard keep run's guarantees (every row exactly once, the same texts); bad values are usage errors.
+The parent runs in a subprocess where it or a replica is killed or signalled, else in this process
+(conftest's `batchgen`: its imports paid once; the replicas are spawned processes either way)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +18,6 @@ from tests.test_cli_run import (
     JOB_OPTIONS,
     JOB_ROWS,
     REPO,
-    batchgen,
     command,
     environment,
     read,
@@ -43,7 +44,7 @@ def assert_every_row_once_with_one_engines_texts(rows: list[dict], whole: list[d
     assert texts([r for r in rows if r["id"] != BAD_ROW["id"]]) == texts(whole)
 
 
-def test_two_replicas_write_one_output_with_one_engines_rows(job, tmp_path):
+def test_two_replicas_write_one_output_with_one_engines_rows(job, batchgen, tmp_path):
     src, whole = job
     out = tmp_path / "out.parquet"
     done = batchgen("run", src, out, *JOB_OPTIONS, *DP)
@@ -57,7 +58,7 @@ def test_two_replicas_write_one_output_with_one_engines_rows(job, tmp_path):
     assert "replica 0: " in done.stdout and "replica 1: " in done.stdout
 
 
-def test_killed_parent_then_sigterm_then_a_rerun_give_every_row_once(job, tmp_path):
+def test_killed_parent_then_sigterm_then_a_rerun_give_every_row_once(job, batchgen, tmp_path):
     """SIGKILL of the parent takes its replicas along; a rerun stopped by SIGTERM exits 75; the next
     rerun completes the job with every row exactly once and one engine's texts."""
     src, whole = job
@@ -105,7 +106,7 @@ def test_a_killed_replica_loses_no_row(job, tmp_path):
     assert sum(r["failed"] for r in meta["replicas"]) == 1 and "failed during the run" in stdout
 
 
-def test_a_shard_combines_with_replicas(job, tmp_path):
+def test_a_shard_combines_with_replicas(job, batchgen, tmp_path):
     src, whole = job
     out = tmp_path / "shard-1.parquet"
     done = batchgen("run", src, out, *JOB_OPTIONS, *DP, "--shard", "1/2")
@@ -118,7 +119,6 @@ def test_a_shard_combines_with_replicas(job, tmp_path):
 
 @pytest.mark.parametrize("value", ["0", "x", "-1"])
 def test_a_bad_data_parallel_size_is_a_usage_error(tmp_path, value, batchgen):
-    """(conftest's in-process batchgen: a usage error starts no engine, so no subprocess is needed)"""
     src = write_jsonl(tmp_path / "in.jsonl", JOB_ROWS[:1])
     done = batchgen("run", src, tmp_path / "out.parquet", "--data-parallel-size", value)
     assert done.returncode == 2, done.stderr
