@@ -14,6 +14,7 @@ import pytest
 
 from batchgen.models import default_model
 from batchgen.models.generation_config import GENERATION_CONFIG
+from tests.tiny_gguf import write_default_model_package
 
 REPO = Path(__file__).resolve().parents[1]
 UMASK = 0o027  # the group reads, others nothing: neither the 0o022 default nor a fixed mode
@@ -25,10 +26,14 @@ def modes(root: Path) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_a_converted_default_model_is_readable_by_the_group(tmp_path):
+    """The real conversion code on a tiny stand-in of the wheel's GGUF (tests/tiny_gguf.py): the modes come
+    from the umask and the cache, not from the model's size."""
     cache = tmp_path / "shared"
     cache.mkdir()
     cache.chmod(0o2770)  # setgid: what the README advises for a shared cache
-    env = {**os.environ, "BATCHGEN_CACHE": str(cache)}
+    wheel = write_default_model_package(tmp_path / "wheel")
+    path = os.pathsep.join(p for p in (str(wheel), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "BATCHGEN_CACHE": str(cache), "PYTHONPATH": path}
     convert = ("import os; os.umask(0o027); from batchgen.models.default_model import ensure_default_model; "
                "print(ensure_default_model())")
     done = subprocess.run([sys.executable, "-c", convert], cwd=REPO, env=env, capture_output=True, text=True,

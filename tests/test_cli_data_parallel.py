@@ -1,6 +1,8 @@
 """`batchgen run --data-parallel-size 2` on CPU (two replica processes sharing the cores): one input read
 once into one output, the rows of one replica's run; SIGTERM, SIGKILL of the parent or of a replica,
-and --shard keep run's guarantees (every row exactly once, the same texts); bad values are usage errors."""
+and --shard keep run's guarantees (every row exactly once, the same texts); bad values are usage errors.
+The parent runs in a subprocess where it or a replica is killed or signalled, else in this process
+(conftest's `batchgen`: its imports paid once; the replicas are spawned processes either way)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +18,6 @@ from tests.test_cli_run import (
     JOB_OPTIONS,
     JOB_ROWS,
     REPO,
-    batchgen,
     command,
     environment,
     read,
@@ -27,26 +28,29 @@ from tests.test_cli_run import (
 
 pytestmark = pytest.mark.slow
 DP = ["--data-parallel-size", "2"]
+BAD_ROW = {"id": "bad", "prompt": 7}
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """The shared job's input and its output with one engine."""
-    tmp = tmp_path_factory.mktemp("dp-job")
-    src = write_jsonl(tmp / "job.jsonl", [*JOB_ROWS, {"id": "bad", "prompt": 7}])
-    done = batchgen("run", src, tmp / "whole.parquet", *JOB_OPTIONS)
-    assert done.returncode == 0, done.stderr
-    rows, _ = read(tmp / "whole.parquet")
-    return src, rows
+def job(run_job, tmp_path_factory):
+    """The shared job with a bad row added, and one engine's output of its good rows (conftest's run_job)."""
+    _, whole = run_job
+    return write_jsonl(tmp_path_factory.mktemp("dp-job") / "job.jsonl", [*JOB_ROWS, BAD_ROW]), whole
 
 
-def test_two_replicas_write_one_output_with_one_engines_rows(job, tmp_path):
+def assert_every_row_once_with_one_engines_texts(rows: list[dict], whole: list[dict]) -> None:
+    """The good rows exactly once with the texts of one engine's run, and the bad row once as an error row."""
+    assert sorted(r["id"] for r in rows) == sorted([*(r["id"] for r in whole), BAD_ROW["id"]])
+    assert texts([r for r in rows if r["id"] != BAD_ROW["id"]]) == texts(whole)
+
+
+def test_two_replicas_write_one_output_with_one_engines_rows(job, batchgen, tmp_path):
     src, whole = job
     out = tmp_path / "out.parquet"
     done = batchgen("run", src, out, *JOB_OPTIONS, *DP)
     assert done.returncode == 0, done.stderr
     rows, meta = read(out)
-    assert texts(rows) == texts(whole) and len(rows) == len(whole)
+    assert_every_row_once_with_one_engines_texts(rows, whole)
     assert {r["id"]: r["error"] for r in rows}["bad"] == "prompt must be a string, got int"
     assert meta["data_parallel_size"] == 2
     assert [r["replica"] for r in meta["replicas"]] == [0, 1]
@@ -54,7 +58,7 @@ def test_two_replicas_write_one_output_with_one_engines_rows(job, tmp_path):
     assert "replica 0: " in done.stdout and "replica 1: " in done.stdout
 
 
-def test_killed_parent_then_sigterm_then_a_rerun_give_every_row_once(job, tmp_path):
+def test_killed_parent_then_sigterm_then_a_rerun_give_every_row_once(job, batchgen, tmp_path):
     """SIGKILL of the parent takes its replicas along; a rerun stopped by SIGTERM exits 75; the next
     rerun completes the job with every row exactly once and one engine's texts."""
     src, whole = job
@@ -83,7 +87,8 @@ def test_killed_parent_then_sigterm_then_a_rerun_give_every_row_once(job, tmp_pa
     done = batchgen("run", src, out, *JOB_OPTIONS, *DP)
     assert done.returncode == 0, done.stderr
     rows, meta = read(out)
-    assert meta["rows_resumed"] > 0 and texts(rows) == texts(whole) and len(rows) == len(whole)
+    assert meta["rows_resumed"] > 0
+    assert_every_row_once_with_one_engines_texts(rows, whole)
 
 
 def test_a_killed_replica_loses_no_row(job, tmp_path):
@@ -97,11 +102,11 @@ def test_a_killed_replica_loses_no_row(job, tmp_path):
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr
     rows, meta = read(out)
-    assert texts(rows) == texts(whole) and len(rows) == len(whole)
+    assert_every_row_once_with_one_engines_texts(rows, whole)
     assert sum(r["failed"] for r in meta["replicas"]) == 1 and "failed during the run" in stdout
 
 
-def test_a_shard_combines_with_replicas(job, tmp_path):
+def test_a_shard_combines_with_replicas(job, batchgen, tmp_path):
     src, whole = job
     out = tmp_path / "shard-1.parquet"
     done = batchgen("run", src, out, *JOB_OPTIONS, *DP, "--shard", "1/2")
@@ -113,27 +118,21 @@ def test_a_shard_combines_with_replicas(job, tmp_path):
 
 
 @pytest.mark.parametrize("value", ["0", "x", "-1"])
-def test_a_bad_data_parallel_size_is_a_usage_error(tmp_path, value):
+def test_a_bad_data_parallel_size_is_a_usage_error(tmp_path, value, batchgen):
     src = write_jsonl(tmp_path / "in.jsonl", JOB_ROWS[:1])
     done = batchgen("run", src, tmp_path / "out.parquet", "--data-parallel-size", value)
     assert done.returncode == 2, done.stderr
     assert "invalid --data-parallel-size" in done.stderr and "give a number >= 1 or auto" in done.stderr
 
 
-def test_a_worker_with_two_replicas_serves_the_queue(tmp_path_factory, tmp_path, batchgen):
+def test_a_worker_with_two_replicas_serves_the_queue(tmp_path_factory, tmp_path, batchgen, worker_job):
     """`batchgen worker -dp 2`: the queue's results equal `batchgen run`'s, each exactly once, and SIGTERM
     stops the worker and its replicas cleanly."""
-    import pyarrow.parquet as pq
-
     from tests.redis_server import start_server
-    from tests.test_worker import OPTIONS, ROWS, WorkerProcess, submit_and_collect
+    from tests.test_worker import WorkerProcess, submit_and_collect
     from tests.test_worker import texts as queue_texts
 
-    src = write_jsonl(tmp_path / "job.jsonl", ROWS)
-    done = subprocess.run(command("run", src, tmp_path / "run.parquet", *OPTIONS), capture_output=True,
-                          text=True, env=environment(), cwd=REPO, timeout=600)
-    assert done.returncode == 0, done.stderr
-    reference = pq.read_table(tmp_path / "run.parquet")
+    src, reference = worker_job
     server = start_server(tmp_path_factory)
     try:
         worker = WorkerProcess(tmp_path, server.url(), "dp", "dp", *DP)

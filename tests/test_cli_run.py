@@ -1,4 +1,7 @@
-"""`batchgen run` end to end: the real CLI in a subprocess, the real engine, the embedded default model.
+"""`batchgen run` end to end: the real CLI, the real engine, the embedded default model. The CLI runs in a
+subprocess where a kill or a signal is the point, else through its entry point in this process (conftest's
+`batchgen` fixture, which shadows this module's subprocess `batchgen` there): a subprocess pays ~10 s of
+imports before its first token.
 
 Kept small for CI's 2 CPU cores: a handful of rows, --max-tokens <= 16, greedy where texts are compared.
 """
@@ -20,14 +23,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-# The job the interruption and sharding tests share: every row runs to exactly 16 tokens, two at a time,
-# each finished row saved at once, so that a signal lands while some rows are saved and others are not.
+# The job the interruption and sharding tests share (its reference output: conftest's run_job): every row
+# runs to exactly 8 tokens, two at a time, each finished row saved at once, so that a signal lands while
+# some rows are saved and others are not.
 JOB_ROWS = [{"id": f"row{i}", "prompt": f"Write a short note number {i} about the weather in spring."}
             for i in range(10)]
 # fp32: these tests compare greedy texts of runs that batch rows differently (resumed, sharded); in
 # bf16 (the CPU default where it is native) a different batch can round a near-tie the other way.
 JOB_OPTIONS = [
-    "--max-tokens", "16", "--temperature", "0", "--ignore-eos", "--max-num-seqs", "2", "--flush-rows", "1",
+    "--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--max-num-seqs", "2", "--flush-rows", "1",
     "--dtype", "float32",
 ]
 
@@ -73,18 +77,7 @@ def assert_metrics_consistent(rows: list[dict]) -> None:
         assert r["ttft_s"] + r["decode_s"] == pytest.approx(r["e2e_s"], abs=1e-3)
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """The shared job's input and its uninterrupted output."""
-    tmp = tmp_path_factory.mktemp("job")
-    src = write_jsonl(tmp / "job.jsonl", JOB_ROWS)
-    done = batchgen("run", src, tmp / "whole.parquet", *JOB_OPTIONS)
-    assert done.returncode == 0, done.stderr
-    rows, _ = read(tmp / "whole.parquet")
-    return src, rows
-
-
-def test_jsonl_job_end_to_end(tmp_path):
+def test_jsonl_job_end_to_end(batchgen, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [
         {"id": "paris", "messages": [{"role": "user", "content": "What is the capital of France?"}], "lang": "en"},
         {"id": "story", "prompt": "Once upon a time", "max_tokens": 4, "lang": "en"},
@@ -119,7 +112,7 @@ def test_jsonl_job_end_to_end(tmp_path):
     assert again.returncode == 0 and "already complete" in again.stdout
 
 
-def test_fp8_kv_cache_job_says_so_in_its_metadata(tmp_path):
+def test_fp8_kv_cache_job_says_so_in_its_metadata(batchgen, tmp_path):
     out = tmp_path / "out.parquet"
     done = batchgen("run", REPO / "examples" / "prompts.parquet", out, "--max-tokens", "3", "--kv-cache-dtype", "fp8",
                     "--log-every", "0")
@@ -129,7 +122,7 @@ def test_fp8_kv_cache_job_says_so_in_its_metadata(tmp_path):
     assert all(r["error"] is None and r["completion_tokens"] > 0 for r in rows)
 
 
-def test_parquet_job_end_to_end_with_settings_from_the_environment(tmp_path):
+def test_parquet_job_end_to_end_with_settings_from_the_environment(batchgen, tmp_path):
     out = tmp_path / "out.parquet"
     done = batchgen("run", REPO / "examples" / "prompts.parquet", out,
                     env={"BATCHGEN_MAX_TOKENS": "3", "BATCHGEN_TEMPERATURE": "0", "BATCHGEN_SEED": "7"})
@@ -148,7 +141,7 @@ def test_parquet_job_end_to_end_with_settings_from_the_environment(tmp_path):
     assert_metrics_consistent(rows)
 
 
-def test_bad_rows_of_every_kind_become_error_rows(tmp_path):
+def test_bad_rows_of_every_kind_become_error_rows(batchgen, tmp_path):
     good = {"id": "good", "prompt": "Hello"}
     lines = [
         good,
@@ -190,7 +183,7 @@ def test_bad_rows_of_every_kind_become_error_rows(tmp_path):
     assert "13 rows failed" in strict.stderr
 
 
-def test_logprobs_columns_when_rows_ask_for_them(tmp_path):
+def test_logprobs_columns_when_rows_ask_for_them(batchgen, tmp_path):
     """`logprobs` / `prompt_logprobs` are request options, not carried columns: the output gets
     list<double> columns of that name (null where a row did not ask or failed), from JSONL and Parquet."""
     rows = [
@@ -220,8 +213,8 @@ def test_logprobs_columns_when_rows_ask_for_them(tmp_path):
             assert got["d"]["error"] == "logprobs must be true or false, got str"
 
 
-def test_sigkill_mid_job_then_rerun_gives_every_row_once_and_the_same_texts(job, tmp_path):
-    src, whole = job
+def test_sigkill_mid_job_then_rerun_gives_every_row_once_and_the_same_texts(run_job, batchgen, tmp_path):
+    src, whole = run_job
     out = tmp_path / "out.parquet"
     workdir = tmp_path / "out.parquet.partial"
     process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS), env=environment(), cwd=REPO,
@@ -240,8 +233,8 @@ def test_sigkill_mid_job_then_rerun_gives_every_row_once_and_the_same_texts(job,
     assert not workdir.exists()
 
 
-def test_sigterm_exits_75_leaves_nothing_at_output_and_the_rerun_completes(job, tmp_path):
-    src, whole = job
+def test_sigterm_exits_75_leaves_nothing_at_output_and_the_rerun_completes(run_job, batchgen, tmp_path):
+    src, whole = run_job
     out = tmp_path / "out.parquet"
     workdir = tmp_path / "out.parquet.partial"
     process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS), env=environment(), cwd=REPO,
@@ -262,8 +255,8 @@ def test_sigterm_exits_75_leaves_nothing_at_output_and_the_rerun_completes(job, 
     assert texts(rows) == texts(whole)
 
 
-def test_shards_union_is_the_whole_job(job, tmp_path):
-    src, whole = job
+def test_shards_union_is_the_whole_job(run_job, batchgen, tmp_path):
+    src, whole = run_job
     union = []
     for i in range(3):
         out = tmp_path / f"shard-{i}.parquet"
@@ -276,8 +269,8 @@ def test_shards_union_is_the_whole_job(job, tmp_path):
     assert texts(union) == texts(whole)
 
 
-def test_leftover_with_other_settings_is_refused(job, tmp_path):
-    src, _ = job
+def test_leftover_with_other_settings_is_refused(run_job, batchgen, tmp_path):
+    src, _ = run_job
     out = tmp_path / "out.parquet"
     process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS), env=environment(), cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -303,7 +296,7 @@ def wait_for_parts(process: subprocess.Popen, workdir: Path, timeout: float = 30
     raise AssertionError("no row saved in time")
 
 
-def test_structured_outputs_and_top_logprobs_from_jsonl_and_parquet(tmp_path):
+def test_structured_outputs_and_top_logprobs_from_jsonl_and_parquet(batchgen, tmp_path):
     """Constraints as objects (JSONL) or JSON text in string columns (Parquet); top_logprobs is a
     list<list<struct>> column; a bad constraint is an error row naming its field."""
     choice = {"choice": ["yes", "no"]}

@@ -1,5 +1,6 @@
-"""`batchgen run` on OpenAI Batch API files end to end: the real CLI in a subprocess, the real engine,
-the embedded default model (its name is the served model name by default). Few lines, few tokens."""
+"""`batchgen run` on OpenAI Batch API files end to end: the real CLI (in a subprocess only where it is
+killed; else conftest's in-process `batchgen`, its imports paid once), the real engine, the embedded
+default model (its name is the served model name by default). Few lines, few tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from batchgen.io.openai_input import CHAT_URL, COMPLETIONS_URL
 from tests.openai_types import line, read_lines, validate_line
-from tests.test_cli_run import REPO, batchgen, command, environment, wait_for_parts, write_jsonl
+from tests.test_cli_run import REPO, command, environment, wait_for_parts, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +33,7 @@ LINES = [
 ]
 
 
-def test_an_openai_batch_file_gives_a_file_that_the_openai_sdk_reads(tmp_path):
+def test_an_openai_batch_file_gives_a_file_that_the_openai_sdk_reads(batchgen, tmp_path):
     src = write_jsonl(tmp_path / "batch.jsonl", LINES)
     out = tmp_path / "results.jsonl"
     done = batchgen("run", src, out, *FP32, "--log-every", "0")
@@ -87,7 +88,7 @@ BAD_LINES = [
 ]
 
 
-def test_bad_lines_become_error_lines_and_the_job_exits_0(tmp_path):
+def test_bad_lines_become_error_lines_and_the_job_exits_0(batchgen, tmp_path):
     src = write_jsonl(tmp_path / "bad.jsonl", BAD_LINES)
     out = tmp_path / "out.jsonl"
     done = batchgen("run", src, out, "--max-model-len", "64")
@@ -133,7 +134,7 @@ KILL_LINES = [line(f"req-{i}", CHAT_URL if i % 2 else COMPLETIONS_URL, max_token
 KILL_OPTIONS = [*FP32, "--temperature", "0", "--max-num-seqs", "2", "--flush-rows", "1"]
 
 
-def test_sigkill_mid_job_then_rerun_gives_every_custom_id_exactly_once(tmp_path):
+def test_sigkill_mid_job_then_rerun_gives_every_custom_id_exactly_once(batchgen, tmp_path):
     src = write_jsonl(tmp_path / "batch.jsonl", KILL_LINES)
     out = tmp_path / "out.jsonl"
     process = subprocess.Popen(command("run", src, out, *KILL_OPTIONS), env=environment(), cwd=REPO,
@@ -153,7 +154,7 @@ def test_sigkill_mid_job_then_rerun_gives_every_custom_id_exactly_once(tmp_path)
     assert meta["fingerprint"]["input_format"] == "openai" and meta["fingerprint"]["output_format"] == "openai"
 
 
-def test_n_samples_top_logprobs_and_a_json_schema(tmp_path):
+def test_n_samples_top_logprobs_and_a_json_schema(batchgen, tmp_path):
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}
     lines = [

@@ -93,18 +93,6 @@ def server(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """The job's input, and `batchgen run`'s output of it: the reference for every queue job here."""
-    tmp = tmp_path_factory.mktemp("job")
-    src = tmp / "job.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    done = subprocess.run([sys.executable, "-m", "batchgen.cli", "run", str(src), str(tmp / "run.parquet"), *OPTIONS],
-                          capture_output=True, text=True, env=environment(), cwd=REPO, timeout=600)
-    assert done.returncode == 0, done.stderr
-    return src, pq.read_table(tmp / "run.parquet")
-
-
 def texts(table) -> dict:
     return {r["id"]: (r["text"], r["output_token_ids"], r["num"]) for r in table.to_pylist()}
 
@@ -131,8 +119,8 @@ def worker(server, tmp_path_factory):
     assert code == 0, w.log_path.read_text()[-3000:]
 
 
-def test_submit_worker_collect_gives_the_same_results_as_run(worker, server, job, batchgen, tmp_path):
-    src, reference = job
+def test_submit_worker_collect_gives_the_same_results_as_run(worker, server, worker_job, batchgen, tmp_path):
+    src, reference = worker_job
     worker.wait_event("serving")
     table = submit_and_collect(batchgen, server.url(USER, PASSWORD), "shared", src, tmp_path / "out.parquet")
     assert texts(table) == texts(reference)
@@ -186,8 +174,8 @@ def test_malformed_message_and_poison_request_with_the_real_worker(worker, serve
     assert worker.process.poll() is None
 
 
-def test_a_killed_workers_rows_are_finished_by_another_each_exactly_once(server, job, batchgen, tmp_path):
-    src, reference = job
+def test_a_killed_workers_rows_are_finished_by_another_each_exactly_once(server, worker_job, batchgen, tmp_path):
+    src, reference = worker_job
     url, client, keys = server.url(), server.client(), Keys("kill")
     first = WorkerProcess(tmp_path, url, "kill", "a", "--claim-idle-seconds", "1")
     second = None
@@ -212,8 +200,9 @@ def test_a_killed_workers_rows_are_finished_by_another_each_exactly_once(server,
                 w.kill()
 
 
-def test_sigterm_finishes_in_flight_rows_then_exits_0_leaving_the_rest_to_others(server, job, batchgen, tmp_path):
-    src, _ = job
+def test_sigterm_finishes_in_flight_rows_then_exits_0_leaving_the_rest_to_others(server, worker_job, batchgen,
+                                                                                  tmp_path):
+    src, _ = worker_job
     url, client, keys = server.url(), server.client(), Keys("drain")
     # one row at a time (2 taken at once): a wide window for the signal to land mid-job
     w = WorkerProcess(tmp_path, url, "drain", "d", "--drain-timeout", "300", "--max-num-seqs", "1")
@@ -236,8 +225,8 @@ def test_sigterm_finishes_in_flight_rows_then_exits_0_leaving_the_rest_to_others
     assert done + len(handed_back) + len(fresh[0][1]) == 8
 
 
-def test_redis_restarted_mid_job_loses_nothing(tmp_path_factory, job, batchgen, tmp_path):
-    src, reference = job
+def test_redis_restarted_mid_job_loses_nothing(tmp_path_factory, worker_job, batchgen, tmp_path):
+    src, reference = worker_job
     server = start_server(tmp_path_factory, "restarted")
     w = WorkerProcess(tmp_path, server.url(), "restart", "r", "--max-num-seqs", "1")  # a longer job
     client, keys = server.client(), Keys("restart")
