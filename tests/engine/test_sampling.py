@@ -287,10 +287,14 @@ def test_which_steps_sample_from_16_bit_logits(llm, fields, plain):
     seq, other = (engine.sequences(prepared, [0])[0] for prepared in engine.request_preparer(defaults)(
         [{"id": 0, "prompt_token_ids": [1, 2, 3], **fields}, {"id": 1, "prompt_token_ids": [4, 5]}]))
     assert seq.plain_sampling is plain and other.plain_sampling
-    gpu = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda"), tp=SINGLE)
+    def runner(dtype=torch.bfloat16, device="cuda", tp=SINGLE, batch_invariant=False):
+        return SimpleNamespace(dtype=dtype, device=torch.device(device), tp=tp,
+                               config=SimpleNamespace(batch_invariant=batch_invariant))
+
+    gpu = runner()
     assert ModelRunner.logits_dtype(gpu, [other, seq], []) == (torch.bfloat16 if plain else torch.float32)
     assert ModelRunner.logits_dtype(gpu, [other], [(seq, 1, [2])]) == torch.float32  # a prompt scored
-    for runner in (SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cpu"), tp=SINGLE),
-                   SimpleNamespace(dtype=torch.float32, device=torch.device("cuda"), tp=SINGLE),
-                   SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda"), tp=SimpleNamespace(size=2))):
-        assert ModelRunner.logits_dtype(runner, [other], []) == torch.float32
+    # (--batch-invariant: a row's logits dtype must not follow the other rows of its step)
+    for fp32_runner in (runner(device="cpu"), runner(dtype=torch.float32), runner(tp=SimpleNamespace(size=2)),
+                        runner(batch_invariant=True)):
+        assert ModelRunner.logits_dtype(fp32_runner, [other], []) == torch.float32
