@@ -79,6 +79,14 @@ def pdl_launch_args(device: torch.device) -> dict:
 
 
 @triton.jit
+def exact_dot(a, b):
+    """a [M, K] @ b [K, N] in fp32, each output element summed on its own: what the kernels use under
+    the interpreter where a row's bits must not depend on the tile's other rows (batch-invariant mode),
+    which numpy's matmul, behind the interpreter's tl.dot, does not promise."""
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
 def wait_for_prior_kernels(PDL: tl.constexpr):
     """Wait for the kernel before this one, then let the next one start (see the module's rules)."""
     wait_only_for_prior_kernels(PDL)

@@ -10,8 +10,8 @@ the weight's alone:
     parts[s] = x[:, Ks] W[:, Ks]^T   (fp32; s in [0, S), S = split_of(W) for every row count)
 
 which the add + RMSNorm after the product sums in the order s = 0, 1, ... (rmsnorm.add_rmsnorm_parts).
-Under the Triton interpreter (the CPU tests) the tile's products are summed per element instead of by
-tl.dot, whose numpy matmul gives a row other bits at another place in the tile.
+Under the Triton interpreter (the CPU tests) the tile's products go through device.exact_dot instead of
+tl.dot.
 Products with few output columns (o, down) take S > 1 so that one decode row still spreads the weight
 over the GPU; where no norm follows (qkv, gate/up, the LM head) S is 1.
 """
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.device import interpreting, pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.device import exact_dot, interpreting, pdl_launch_args, wait_for_prior_kernels
 
 BLOCK_K = 64  # the one K step of every tile: the order each output element is summed in
 MAX_SPLIT = 4
@@ -47,7 +47,7 @@ def _invariant_gemm_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no tf32 rounding), else unused
-    ROW_EXACT: tl.constexpr,  # the interpreter: products summed per element (numpy's matmul is not row-invariant)
+    ROW_EXACT: tl.constexpr,  # the interpreter: products through device.exact_dot
     PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # (M tiles fastest: a W tile's second read, by the next M tile, hits the L2)
@@ -68,7 +68,7 @@ def _invariant_gemm_kernel(
         a = tl.load(x_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
         w_t = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
         if ROW_EXACT:
-            acc += tl.sum(a.to(tl.float32)[:, :, None] * w_t.to(tl.float32)[None, :, :], axis=1)
+            acc += exact_dot(a, w_t)
         else:
             acc = tl.dot(a, w_t, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
@@ -139,12 +139,11 @@ def invariant_gemm_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split: int = 1,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The same product in fp32 one row at a time (so row-invariant by construction), rounded as the
-    kernel rounds: [M, N] in out_dtype, or the fp32 parts [split, M, N]."""
+    """The same product in fp32, rounded as the kernel rounds: [M, N] in out_dtype, or the fp32 parts
+    [split, M, N] (each K slice's product)."""
     k = x.shape[1]
     xs, ws = x.float().split(k // split, dim=1), weight.float().split(k // split, dim=1)
-    parts = torch.stack([torch.cat([row[None] @ w.t() for row in xp]) if len(xp) else xp.new_zeros(0, w.shape[0])
-                         for xp, w in zip(xs, ws)])
+    parts = torch.stack([xp @ wp.t() for xp, wp in zip(xs, ws)])
     if split > 1:
         return parts
     y = parts[0] if bias is None else parts[0] + bias.float()

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from batchgen.kernels.device import exact_dot
 from batchgen.kernels.kv_dtype import query_for_kv_dot
 
 
@@ -42,7 +43,7 @@ def attend_keys(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    ROW_EXACT: tl.constexpr = False,  # the interpreter: products summed per element (invariant_gemm.py says why)
+    ROW_EXACT: tl.constexpr = False,  # the interpreter: products through device.exact_dot (batch-invariant mode)
 ):
     dims = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
@@ -53,7 +54,7 @@ def attend_keys(
         kv_mask = col_mask[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(k_head_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         if ROW_EXACT:
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
+            s = exact_dot(q, tl.trans(k)) * qk_scale
         else:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if CAUSAL_MASK:
@@ -64,7 +65,7 @@ def attend_keys(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_head_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         if ROW_EXACT:
-            pv = tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            pv = exact_dot(p.to(v.dtype), v)
         else:
             pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv

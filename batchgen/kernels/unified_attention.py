@@ -128,7 +128,7 @@ def _unified_attention_kernel(
     BLOCK_D: tl.constexpr,  # next power of 2 >= D (and >= 16)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (then unused)
     INVARIANT: tl.constexpr,  # batch_invariant (unified_attention_triton)
-    ROW_EXACT: tl.constexpr,  # the interpreter: products summed per element (prefill_attention.attend_keys)
+    ROW_EXACT: tl.constexpr,  # the interpreter: products through device.exact_dot (prefill_attention.attend_keys)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     wait_for_prior_kernels(PDL)

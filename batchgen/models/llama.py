@@ -138,8 +138,8 @@ class LlamaForCausalLM(nn.Module):
 
     def use_batch_invariant_kernels(self) -> None:
         """GPU: every product through kernels/invariant_gemm.py and every attention through unified
-        attention's one tile, no one-row MLP (EngineConfig.batch_invariant). FP8 layers are refused:
-        their products are not batch-invariant yet."""
+        attention's one tile (EngineConfig.batch_invariant; the runner then makes no one-row MLPs). FP8
+        layers are refused: their products are not batch-invariant yet."""
         for module in self.modules():
             if isinstance(module, PackableWeight):
                 if module.fp8 is not None:
@@ -148,8 +148,6 @@ class LlamaForCausalLM(nn.Module):
                 module.batch_invariant = True
             elif isinstance(module, Attention):
                 module.batch_invariant = True
-        for layer in self.layers:
-            layer.one_row_mlp = None
 
     def pack_weights(self) -> None:
         """CPU: every matrix product through a packed weight (layers/packed_linear.py)."""
