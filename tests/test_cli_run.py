@@ -217,11 +217,7 @@ def test_sigkill_mid_job_then_rerun_gives_every_row_once_and_the_same_texts(run_
     src, whole = run_job
     out = tmp_path / "out.parquet"
     workdir = tmp_path / "out.parquet.partial"
-    process = subprocess.Popen(command("run", src, out, *JOB_OPTIONS), env=environment(), cwd=REPO,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    saved = wait_for_parts(process, workdir)
-    process.kill()
-    process.wait(timeout=30)
+    saved = killed_after_first_part("run", src, out, *JOB_OPTIONS)
     assert not out.exists() and 0 < saved < len(JOB_ROWS)
 
     done = batchgen("run", src, out, *JOB_OPTIONS)
@@ -281,6 +277,17 @@ def test_leftover_with_other_settings_is_refused(run_job, batchgen, tmp_path):
     assert refused.returncode == 1
     assert "other settings" in refused.stderr and "temperature: 0.0 then, 0.5 now" in refused.stderr
     assert "--no-resume" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+
+
+def killed_after_first_part(*args, timeout: float = 300) -> int:
+    """`batchgen run SRC OUT ...` (args) in a subprocess, SIGKILLed once it has saved a row -> rows saved."""
+    out = Path(args[2])
+    process = subprocess.Popen(command(*args), env=environment(), cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    saved = wait_for_parts(process, out.with_name(out.name + ".partial"), timeout)
+    process.kill()
+    process.wait(timeout=60)
+    return saved
 
 
 def wait_for_parts(process: subprocess.Popen, workdir: Path, timeout: float = 300) -> int:

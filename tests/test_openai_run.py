@@ -5,14 +5,13 @@ default model (its name is the served model name by default). Few lines, few tok
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pyarrow.parquet as pq
 import pytest
 
 from batchgen.io.openai_input import CHAT_URL, COMPLETIONS_URL
 from tests.openai_types import line, read_lines, validate_line
-from tests.test_cli_run import REPO, command, environment, wait_for_parts, write_jsonl
+from tests.test_cli_run import killed_after_first_part, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -137,11 +136,7 @@ KILL_OPTIONS = [*FP32, "--temperature", "0", "--max-num-seqs", "2", "--flush-row
 def test_sigkill_mid_job_then_rerun_gives_every_custom_id_exactly_once(batchgen, tmp_path):
     src = write_jsonl(tmp_path / "batch.jsonl", KILL_LINES)
     out = tmp_path / "out.jsonl"
-    process = subprocess.Popen(command("run", src, out, *KILL_OPTIONS), env=environment(), cwd=REPO,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    saved = wait_for_parts(process, tmp_path / "out.jsonl.partial")
-    process.kill()
-    process.wait(timeout=30)
+    saved = killed_after_first_part("run", src, out, *KILL_OPTIONS)
     assert not out.exists() and 0 < saved < len(KILL_LINES)
 
     done = batchgen("run", src, out, *KILL_OPTIONS)

@@ -3,14 +3,13 @@ others (where their prompts also come from the prefix cache), and at max_num_seq
 sampled, for the llama-3.2-1b and qwen2.5-0.5b shapes (random weights from config.json alone); a job
 killed mid-way and rerun gives the rows of an uninterrupted one."""
 import random
-import subprocess
 
 import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
 from benchmarks.throughput import MODELS, build_model
-from tests.test_cli_run import REPO, batchgen, command, environment, read, texts, wait_for_parts, write_jsonl
+from tests.test_cli_run import batchgen, killed_after_first_part, read, texts, write_jsonl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -69,11 +68,7 @@ def test_a_killed_and_rerun_job_gives_the_uninterrupted_rows(tmp_path):
     done = batchgen("run", src, tmp_path / "whole.parquet", *options)
     assert done.returncode == 0, done.stderr
     out = tmp_path / "out.parquet"
-    process = subprocess.Popen(command("run", src, out, *options), env=environment(), cwd=REPO,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    saved = wait_for_parts(process, tmp_path / "out.parquet.partial")
-    process.kill()
-    process.wait(timeout=60)
+    saved = killed_after_first_part("run", src, out, *options)
     done = batchgen("run", src, out, *options)
     assert done.returncode == 0, done.stderr
     rows, meta = read(out)
