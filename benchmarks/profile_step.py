@@ -4,6 +4,7 @@ GPU kernels by total time over steps 100-199 of the job, or over the whole job w
 (torch profiler).
 
     python benchmarks/profile_step.py --model llama-3.2-1b --workload W-short [--kernels [--steps all]] [-tp N]
+        [--batch-invariant]
 """
 from __future__ import annotations
 
@@ -33,10 +34,12 @@ def main(argv=None):
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="profile rank 0 of a tensor-parallel engine (its host loop, or its GPU's kernels)")
     ap.add_argument("--steps", default="100:200", help="steps profiled with --kernels: FIRST:END or all")
+    ap.add_argument("--batch-invariant", action="store_true", help="profile the --batch-invariant mode")
     args = ap.parse_args(argv)
     model_dir = build_model(args.model, Path(args.models_dir))
     requests = make_requests(args.workload, MODELS[args.model][1]["vocab_size"])
-    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=args.tensor_parallel_size,
+              batch_invariant=args.batch_invariant)
     try:
         profile(llm, requests, args)
     finally:
