@@ -13,7 +13,14 @@ which the add + RMSNorm after the product sums in the order s = 0, 1, ... (rmsno
 Under the Triton interpreter (the CPU tests) the tile's products go through device.exact_dot instead of
 tl.dot.
 Products with few output columns (o, down) take S > 1 so that one decode row still spreads the weight
-over the GPU; where no norm follows (qkv, gate/up, the LM head) S is 1.
+over the GPU; where no norm follows (qkv, gate/up, the LM head) S is 1. On the TMA path, past
+PARTS_MAX_ROWS rows one program sums the S slices itself, each from zero and then in order, and hands
+on that fp32 sum as a single part: the same bits, and the same norm kernel, without S parts' trips
+through memory.
+
+On Hopper (and datacenter Blackwell) the tiles are tile_gemm's, read through TMA, with gate/up's
+SiLU-and-mul in the epilogue; elsewhere (and under the interpreter) this file's pointer kernel. Which
+one runs depends on the weight alone, never on the row count.
 """
 from __future__ import annotations
 
@@ -22,10 +29,13 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.device import exact_dot, interpreting, pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.skinny_gemm import tma_ok
+from batchgen.kernels.tile_gemm import tile_gemm_supported, tile_gemm_triton
 
 BLOCK_K = 64  # the one K step of every tile: the order each output element is summed in
 MAX_SPLIT = 4
 SPLIT_PROGRAMS = 128  # a split product aims at this many programs for one row (an H100/H200 has 132 SMs)
+PARTS_MAX_ROWS = 64  # a split product of more rows sums its slices in the program (the module's docstring)
 
 
 @triton.jit(do_not_specialize=["M"])  # (one compile per tile, not per row count)
@@ -99,6 +109,32 @@ def split_of(n: int, k: int) -> int:
     return split
 
 
+def tma_tile(m: int, silu_mul_out: bool, chunks: int = 1) -> tuple[int, int, int, int, int, int]:
+    """tile_gemm's tile (BM, BN, BLOCK_K, stages, warps, 1) for m rows on the TMA path (from an H200 sweep:
+    benchmarks/KERNELS.md): deep pipelines for decode rows, large tiles for prefill steps (128 x 128
+    where two accumulators live: gate/up, or K in chunks). Always BLOCK_K and at least 64 rows (the same
+    tensor-core instruction for every tile)."""
+    if silu_mul_out:
+        return (64, 128, BLOCK_K, 4, 4, 1) if m <= 16 else (64, 64, BLOCK_K, 6, 4, 1) if m <= 64 else (
+            128, 128, BLOCK_K, 4, 8, 1)
+    if m <= 16:
+        return 64, 128, BLOCK_K, 8, 4, 1
+    if m <= 64:
+        return 64, 64, BLOCK_K, 6, 4, 1
+    if m <= 256:
+        return 64, 128, BLOCK_K, 5, 4, 1
+    if m <= 4096 or chunks > 1:
+        return 128, 128, BLOCK_K, 5, 8, 1
+    return 256, 128, BLOCK_K, 3, 8, 1
+
+
+def takes_tma(weight: torch.Tensor) -> bool:
+    """Whether products with this weight take tile_gemm's TMA kernel: 16-bit, TMA-aligned, whole BLOCK_K
+    steps, on a GPU that has it. The weight alone decides."""
+    return (weight.dtype in (torch.bfloat16, torch.float16) and weight.shape[1] % BLOCK_K == 0
+            and weight.is_cuda and tile_gemm_supported(weight.device) and tma_ok(weight))
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether this kernel takes the product: 16-bit or fp32 x and W of one dtype, rows contiguous."""
     return (x.dim() == 2 and x.dtype == weight.dtype and x.shape[1] == weight.shape[1]
@@ -108,14 +144,27 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def invariant_gemm_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split: int = 1,
-    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None, silu_mul_out: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] in out_dtype (default x's; into out when given), or
-    with split > 1 the fp32 parts [split, M, N] (no bias) whose sum in order is the product."""
+    with split > 1 the fp32 parts [split, M, N] (no bias) whose sum in order is the product (on the TMA
+    path past PARTS_MAX_ROWS rows that sum as the one part [1, M, N]).
+    silu_mul_out (weight = [Wg; Wu]): silu(x Wg^T) * (x Wu^T) [M, N / 2] where the TMA path runs, else
+    the pair [M, N]."""
     m, k = x.shape
     n = weight.shape[0]
     assert supports(x, weight), "invariant_gemm: x and W of one dtype, rows contiguous"
     assert split == 1 or (k % (split * BLOCK_K) == 0 and bias is None)
+    if m > 0 and takes_tma(weight):
+        if not tma_ok(x):  # (a view of a wider buffer, or an unaligned one: the kernel reads a copy)
+            x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
+        silu_mul_out = silu_mul_out and bias is None and split == 1 and n % 2 == 0
+        tile = tma_tile(m, silu_mul_out, split if m > PARTS_MAX_ROWS else 1)
+        if split > 1 and m <= PARTS_MAX_ROWS:
+            return tile_gemm_triton(x, weight, parts_ok=True, tile=(*tile[:5], split))
+        if split > 1:  # (one part: the norm after it rounds and adds as it does the parts' sum, same warps)
+            return tile_gemm_triton(x, weight, tile=tile, chunks=split, out_dtype=torch.float32)[None]
+        return tile_gemm_triton(x, weight, silu_mul_out, tile=tile, out=out, bias=bias, out_dtype=out_dtype)
     if split > 1:
         y = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     elif out is not None:
@@ -152,10 +201,10 @@ def invariant_gemm_ref(
 
 def invariant_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split: int = 1,
-    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None, silu_mul_out: bool = False,
 ) -> torch.Tensor:
-    """invariant_gemm_triton on a GPU; on CPU the reference."""
+    """invariant_gemm_triton on a GPU; on CPU the reference (parts for split > 1, never SiLU-and-mul'd)."""
     if x.is_cuda:
-        return invariant_gemm_triton(x, weight, bias, split, out_dtype, out)
+        return invariant_gemm_triton(x, weight, bias, split, out_dtype, out, silu_mul_out)
     y = invariant_gemm_ref(x, weight, bias, split, out_dtype)
     return y if out is None or split > 1 else out.copy_(y)

@@ -6,6 +6,10 @@ than cuBLAS) on Hopper: y = x @ W^T in [BM, BN] output tiles, x and W read throu
     y = silu(x Wg^T) * (x Wu^T)              (SILU_MUL_OUT: W = [Wg; Wu], an MLP's gate/up; y [M, N/2])
     parts[s] = x[:, Ks] W[:, Ks]^T           (SPLIT > 1: K in SPLIT slices Ks, fp32; y = sum_s parts[s])
 
+    y = (p_0 + p_1 + ... + p_{C-1}) + bias     (CHUNKS = C > 1: p_c = x[:, Kc] W[:, Kc]^T, fp32, summed
+                                              in order in the program: the same bits as SPLIT = C parts
+                                              summed by add_rmsnorm_parts; kernels/invariant_gemm.py)
+
 SILU_MUL_OUT keeps a gate and an up accumulator a program, so the pair never goes to memory and no
 SiLU-and-mul kernel runs (gate and up rounded to x's dtype first, as the product would round them).
 SPLIT gives products with few output columns (o, down) enough programs to stream W; the add + RMSNorm
@@ -52,6 +56,9 @@ def _tile_gemm_kernel(
     STAGES: tl.constexpr,
     SPLIT: tl.constexpr,
     SILU_MUL_OUT: tl.constexpr,
+    CHUNKS: tl.constexpr,  # > 1: K in CHUNKS slices of K_PER_SPLIT, each summed alone, then added in order
+    HAS_BIAS: tl.constexpr,
+    bias_ptr,  # [N] (HAS_BIAS)
     PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # (M tiles fastest: a W tile's second read, by the next M tile, hits the L2)
@@ -61,20 +68,17 @@ def _tile_gemm_kernel(
     n0 = pid_n * BN
     k_lo = pid_k * K_PER_SPLIT
     wait_for_prior_kernels(PDL)  # x is the kernel before's output
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_up = tl.zeros([BM, BN], dtype=tl.float32)  # (SILU_MUL_OUT only)
-    for k in tl.range(k_lo, k_lo + K_PER_SPLIT, BK, num_stages=STAGES):
-        a = x_desc.load([m0, k])
-        w = w_desc.load([n0, k])
-        acc = tl.dot(a, w.T, acc)
-        if SILU_MUL_OUT:
-            u = w_desc.load([N_OUT + n0, k])
-            acc_up = tl.dot(a, u.T, acc_up)
+    acc, acc_up = _dot_k_range(x_desc, w_desc, m0, n0, N_OUT, k_lo, K_PER_SPLIT, BM, BN, BK, STAGES, SILU_MUL_OUT)
+    for c in tl.static_range(1, CHUNKS):  # (the first chunk's sum is the total's start, as parts[0] is)
+        acc += _dot_k_range(x_desc, w_desc, m0, n0, N_OUT, c * K_PER_SPLIT, K_PER_SPLIT, BM, BN, BK, STAGES,
+                            False)[0]
     rows = m0 + tl.arange(0, BM)
     cols = n0 + tl.arange(0, BN)
     mask = (rows < M)[:, None] & (cols < N_OUT)[None, :]
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * y_stride_m + cols[None, :]
     dtype = y_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N_OUT, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL_OUT:
         gate = acc.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
@@ -84,6 +88,22 @@ def _tile_gemm_kernel(
     else:  # this split's fp32 part (the add + RMSNorm after the product sums the parts)
         part_ptrs = part_ptr + pid_k.to(tl.int64) * M * N_OUT + rows[:, None].to(tl.int64) * N_OUT + cols[None, :]
         tl.store(part_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _dot_k_range(x_desc, w_desc, m0, n0, N_OUT, k_lo, k_len, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 STAGES: tl.constexpr, SILU_MUL_OUT: tl.constexpr):
+    """(x W^T, x Wu^T) of the tile over K in [k_lo, k_lo + k_len), BK at a time from zero (fp32)."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_up = tl.zeros([BM, BN], dtype=tl.float32)  # (SILU_MUL_OUT only)
+    for k in tl.range(k_lo, k_lo + k_len, BK, num_stages=STAGES):
+        a = x_desc.load([m0, k])
+        w = w_desc.load([n0, k])
+        acc = tl.dot(a, w.T, acc)
+        if SILU_MUL_OUT:
+            u = w_desc.load([N_OUT + n0, k])
+            acc_up = tl.dot(a, u.T, acc_up)
+    return acc, acc_up
 
 
 @functools.cache
@@ -197,30 +217,37 @@ def _sm_count(device: torch.device) -> int:
 
 def tile_gemm_triton(
     x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False, parts_ok: bool = False,
-    tile: Tile | None = None, out: torch.Tensor | None = None,
+    tile: Tile | None = None, out: torch.Tensor | None = None, *, chunks: int = 1,
+    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] (into out when given), or with silu_mul_out silu(x Wg^T) *
-    (x Wu^T) -> [M, N / 2] (weight = [Wg; Wu]), or where the tile splits K (parts_ok) the fp32 parts
-    [SPLIT, M, N] whose sum is the product (out is then unused). tile: pick_tile's unless given."""
+    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] (into out when given), or with silu_mul_out
+    silu(x Wg^T) * (x Wu^T) -> [M, N / 2] (weight = [Wg; Wu]), or where the tile splits K (parts_ok) the
+    fp32 parts [SPLIT, M, N] whose sum is the product (out is then unused). tile: pick_tile's unless
+    given. chunks > 1 (no split): K summed in that many slices, added in order (the module's docstring).
+    out_dtype: y's dtype (x's by default; fp32 for logits)."""
     m, k = x.shape
     n = weight.shape[0]
     n_out = n // 2 if silu_mul_out else n
+    out_dtype = out_dtype or x.dtype
     assert 0 < m and weight.shape[1] == k and x.dtype == weight.dtype
     assert x.dtype in (torch.float16, torch.bfloat16), "16-bit only: the dots run in their default precision"
     assert tma_ok(x) and tma_ok(weight), "TMA needs 16-byte aligned, row-contiguous x and W"
     assert not silu_mul_out or n % 2 == 0
     bm, bn, bk, stages, warps, split = tile or pick_tile(m, n_out, k, silu_mul_out, parts_ok, _sm_count(x.device))
-    assert k % (split * bk) == 0 and (split == 1 or not silu_mul_out)
+    assert k % (split * chunks * bk) == 0 and (split == 1 or not silu_mul_out) and (chunks == 1 or split == 1)
+    assert (split == 1 and chunks == 1) or (bias is None and not silu_mul_out)
+    assert bias is None or not silu_mul_out
     if split > 1:
         y = parts = torch.empty((split, m, n_out), dtype=torch.float32, device=x.device)
     else:
-        y = torch.empty((m, n_out), dtype=x.dtype, device=x.device) if out is None else out
-        assert y.shape == (m, n_out) and y.stride(1) == 1 and y.dtype == x.dtype
+        y = torch.empty((m, n_out), dtype=out_dtype, device=x.device) if out is None else out
+        assert y.shape == (m, n_out) and y.stride(1) == 1 and y.dtype == out_dtype
         parts = y  # (unused)
     _tile_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n_out, bn), split)](
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]), y, y.stride(-2),
-        parts, m, n_out, k // split, BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
-        SILU_MUL_OUT=silu_mul_out, num_warps=warps, num_stages=stages, **pdl_launch_args(x.device),
+        parts, m, n_out, k // (split * chunks), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
+        SILU_MUL_OUT=silu_mul_out, CHUNKS=chunks, HAS_BIAS=bias is not None,
+        bias_ptr=bias if bias is not None else y, num_warps=warps, num_stages=stages, **pdl_launch_args(x.device),
     )
     return y
 

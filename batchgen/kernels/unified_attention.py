@@ -242,13 +242,13 @@ def unified_attention_triton(
     scale: float,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """batch_invariant: one tile for every query (no small tile for decodes) and every key block through
-    the masked loop, so a query's bits depend on its sequence alone: its keys are read in BLOCK_N steps
-    from position 0 by the same code whatever else the launch holds, however the prompt was chunked (a
-    block masked whole adds exactly nothing)."""
+    """batch_invariant: one tile for every query (the decodes' small one: decodes are most of a batch
+    job's attention) and every key block through the masked loop, so a query's bits depend on its
+    sequence alone: its keys are read in BLOCK_N steps from position 0 by the same code whatever else
+    the launch holds, however the prompt was chunked (a block masked whole adds exactly nothing)."""
     block_m, small_m, block_n, num_warps, num_stages = _pick_config(q.shape[2], q.dtype)
     if batch_invariant:
-        small_m = block_m
+        block_m = small_m
     return _unified_attention_launch(
         q, k_cache, v_cache, req_to_token, seq_rows, q_start, kv_lens, scale, block_m, small_m, block_n,
         num_warps, num_stages, invariant=batch_invariant,

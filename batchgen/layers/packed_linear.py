@@ -107,8 +107,8 @@ class PackableWeight:
         in parts; the CPU's packed product returns a new tensor."""
         if self.fp8 is not None:  # (the pair [T, out] for silu_mul_out, one part, a new tensor)
             return self.fp8.product(self, x, bias, silu_mul)
-        if self.batch_invariant and x.is_cuda:  # (the pair, never SiLU-and-mul'd, for silu_mul_out)
-            return self.invariant_product(x, bias, silu_mul, out, parts_ok)
+        if self.batch_invariant and x.is_cuda:
+            return self.invariant_product(x, bias, silu_mul, out, parts_ok, silu_mul_out)
         if self.streams(x):
             return stream_product(x, self.weight, bias, silu_mul, out=out if bias is None else None)
         if silu_mul:
@@ -123,10 +123,10 @@ class PackableWeight:
         return F.linear(x, self.weight, bias)
 
     def invariant_product(self, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
-                          out: torch.Tensor | None, parts_ok: bool) -> torch.Tensor:
+                          out: torch.Tensor | None, parts_ok: bool, silu_mul_out: bool) -> torch.Tensor:
         """matmul in batch-invariant mode: every row count through the one kernel, K split (into parts the
         caller sums) by the weight's shape alone."""
         if silu_mul:
             x = silu_and_mul(x)
         split = split_of(*self.weight.shape) if parts_ok and bias is None else 1
-        return invariant_gemm(x, self.weight, bias, split, out=out if split == 1 else None)
+        return invariant_gemm(x, self.weight, bias, split, out=out if split == 1 else None, silu_mul_out=silu_mul_out)
