@@ -109,23 +109,22 @@ def split_of(n: int, k: int) -> int:
     return split
 
 
-def tma_tile(m: int, silu_mul_out: bool, chunks: int = 1) -> tuple[int, int, int, int, int, int]:
-    """tile_gemm's tile (BM, BN, BLOCK_K, stages, warps, 1) for m rows on the TMA path (from an H200 sweep:
+def tma_tile(m: int, silu_mul_out: bool, chunked: bool = False) -> tuple[int, int, int, int, int]:
+    """tile_gemm's (BM, BN, BLOCK_K, stages, warps) for m rows on the TMA path (from an H200 sweep:
     benchmarks/KERNELS.md): deep pipelines for decode rows, large tiles for prefill steps (128 x 128
     where two accumulators live: gate/up, or K in chunks). Always BLOCK_K and at least 64 rows (the same
     tensor-core instruction for every tile)."""
-    if silu_mul_out:
-        return (64, 128, BLOCK_K, 4, 4, 1) if m <= 16 else (64, 64, BLOCK_K, 6, 4, 1) if m <= 64 else (
-            128, 128, BLOCK_K, 4, 8, 1)
     if m <= 16:
-        return 64, 128, BLOCK_K, 8, 4, 1
+        return (64, 128, BLOCK_K, 4, 4) if silu_mul_out else (64, 128, BLOCK_K, 8, 4)
     if m <= 64:
-        return 64, 64, BLOCK_K, 6, 4, 1
+        return 64, 64, BLOCK_K, 6, 4
+    if silu_mul_out:
+        return 128, 128, BLOCK_K, 4, 8
     if m <= 256:
-        return 64, 128, BLOCK_K, 5, 4, 1
-    if m <= 4096 or chunks > 1:
-        return 128, 128, BLOCK_K, 5, 8, 1
-    return 256, 128, BLOCK_K, 3, 8, 1
+        return 64, 128, BLOCK_K, 5, 4
+    if m <= 4096 or chunked:
+        return 128, 128, BLOCK_K, 5, 8
+    return 256, 128, BLOCK_K, 3, 8
 
 
 def takes_tma(weight: torch.Tensor) -> bool:
@@ -159,12 +158,13 @@ def invariant_gemm_triton(
         if not tma_ok(x):  # (a view of a wider buffer, or an unaligned one: the kernel reads a copy)
             x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
         silu_mul_out = silu_mul_out and bias is None and split == 1 and n % 2 == 0
-        tile = tma_tile(m, silu_mul_out, split if m > PARTS_MAX_ROWS else 1)
-        if split > 1 and m <= PARTS_MAX_ROWS:
-            return tile_gemm_triton(x, weight, parts_ok=True, tile=(*tile[:5], split))
-        if split > 1:  # (one part: the norm after it rounds and adds as it does the parts' sum, same warps)
-            return tile_gemm_triton(x, weight, tile=tile, chunks=split, out_dtype=torch.float32)[None]
-        return tile_gemm_triton(x, weight, silu_mul_out, tile=tile, out=out, bias=bias, out_dtype=out_dtype)
+        chunked = split > 1 and m > PARTS_MAX_ROWS
+        shape = tma_tile(m, silu_mul_out, chunked)
+        if chunked:  # (one part: the norm after it rounds and adds as it does the parts' sum, same warps)
+            return tile_gemm_triton(x, weight, tile=(*shape, 1), chunks=split, out_dtype=torch.float32)[None]
+        if split > 1:
+            return tile_gemm_triton(x, weight, parts_ok=True, tile=(*shape, split))
+        return tile_gemm_triton(x, weight, silu_mul_out, tile=(*shape, 1), out=out, bias=bias, out_dtype=out_dtype)
     if split > 1:
         y = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     elif out is not None:

@@ -234,9 +234,9 @@ def tile_gemm_triton(
     assert tma_ok(x) and tma_ok(weight), "TMA needs 16-byte aligned, row-contiguous x and W"
     assert not silu_mul_out or n % 2 == 0
     bm, bn, bk, stages, warps, split = tile or pick_tile(m, n_out, k, silu_mul_out, parts_ok, _sm_count(x.device))
-    assert k % (split * chunks * bk) == 0 and (split == 1 or not silu_mul_out) and (chunks == 1 or split == 1)
-    assert (split == 1 and chunks == 1) or (bias is None and not silu_mul_out)
-    assert bias is None or not silu_mul_out
+    assert k % (split * chunks * bk) == 0 and (split == 1 or chunks == 1)
+    assert bias is None or split == 1, "a bias is added once, not to each part"
+    assert not silu_mul_out or (split == chunks == 1 and bias is None)
     if split > 1:
         y = parts = torch.empty((split, m, n_out), dtype=torch.float32, device=x.device)
     else:
