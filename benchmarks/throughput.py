@@ -42,7 +42,8 @@ first and the last replica going idle).
 
 --compare-fp8 adds, on the same rows: `--quantization fp8` (weights quantized per channel at load,
 activations per token), the same with an fp8 KV pool, and the 128x128-block checkpoint form (written
-here from the bf16 weights, as Qwen's and DeepSeek's FP8 checkpoints lay theirs out), each against bf16.
+here from the bf16 weights, as Qwen's and DeepSeek's FP8 checkpoints lay theirs out), each against bf16;
+`--compare-fp8 block` runs only the variants named.
 
 W-json is W-short's requests (lengths, token-id prompts) with max_tokens 64 and a small JSON schema on
 every row (response_format); it is compared with the same requests unconstrained, each row's
@@ -94,6 +95,7 @@ MODELS = {
               num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=4096)),
 }
 # name: (requests, input range (W-chat: words of the user turn), output range)
+FP8_VARIANTS = ("fp8", "fp8_kv", "block")
 WORKLOADS = {
     "W-offline": (256, (100, 1024), (100, 1024)),
     "W-short": (2048, (32, 256), (16, 128)),
@@ -599,8 +601,9 @@ def main(argv=None):
                     help="also run each workload with the prefix cache off (always done for W-prefix)")
     ap.add_argument("--compare-kv-fp8", action="store_true",
                     help="also run each workload with an fp8 KV cache (--kv-cache-dtype fp8)")
-    ap.add_argument("--compare-fp8", action="store_true",
-                    help="add --quantization fp8, it with an fp8 KV pool, and the 128-block checkpoint form")
+    ap.add_argument("--compare-fp8", nargs="*", choices=FP8_VARIANTS, metavar="VARIANT",
+                    help="add --quantization fp8 (fp8), it with an fp8 KV pool (fp8_kv), and the 128-block "
+                         "checkpoint form (block): those named, or all three")
     ap.add_argument("--compare-batch-invariant", action="store_true",
                     help="also run each workload with --batch-invariant (its cost, on the same rows)")
     ap.add_argument("--json-out", help="append the JSON lines to this file (benchmarks/results/DEVICE-DATE.jsonl)")
@@ -678,13 +681,15 @@ def main(argv=None):
                              "kv_cache_tokens": same_rows["kv_cache_tokens"],
                              "kv_fp8_kv_cache_tokens": fp8["kv_cache_tokens"],
                              "ratio_kv_fp8_vs_auto": round(fp8["tok_s"] / same_rows["tok_s"], 3)})
-            if args.compare_fp8:
-                for label, variant_options in (("fp8", {"quantization": "fp8"}),
-                                               ("fp8_kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"})):
+            fp8_variants = [] if args.compare_fp8 is None else args.compare_fp8 or FP8_VARIANTS
+            for label, variant_options in (("fp8", {"quantization": "fp8"}),
+                                           ("fp8_kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"})):
+                if label in fp8_variants:
                     run = other(requests, **variant_options)
                     line.update({f"{label}_tok_s": round(run["tok_s"], 1), f"{label}_runs_tok_s": run["runs_tok_s"],
                                  f"{label}_kv_cache_tokens": run["kv_cache_tokens"],
                                  f"ratio_{label}_vs_bf16": round(run["tok_s"] / same_rows["tok_s"], 3)})
+            if "block" in fp8_variants:
                 block = run_batchgen(block_fp8_checkpoint(variant_dir), {workload: requests}, args.temperature,
                                      args.tensor_parallel_size, repeats, args.warm_up)[workload]
                 line.update({"fp8_block_tok_s": round(block["tok_s"], 1), "fp8_block_runs_tok_s": block["runs_tok_s"],

@@ -7,11 +7,15 @@ Activations are rounded to e4m3 before the product, with one scale per token (dy
     y[t, n] = sum_k q[t, k] * W[n, k] * s[t] * ws[n]                    (per-channel weight scale ws)
     y[t, n] = sum_g s[t, g] * ws[n // 128, g] * sum_{k in g} q[t, k] * W[n, k]    (128x128 blocks)
 
-Per-channel weights take cuBLAS's row-wise scaled product (torch._scaled_mm); the block form a Triton
-kernel that applies each 128-column block's scales to its partial sum. The quantizing kernel may take
-an MLP's gate/up pair and round silu(gate) * up instead (the down projection's input).
+Past a few rows, per-channel weights take cuBLAS's row-wise scaled product (torch._scaled_mm) and the block
+form its blockwise one (1x128 activation groups, 128x128 weight blocks: sm_90 with CUDA >= 12.9); below, and
+where cuBLAS cannot, a Triton kernel that applies each 128-column block's scales to its partial sum. The
+quantizing kernel may take an MLP's gate/up pair and round silu(gate) * up instead (the down projection's
+input). Group scales are stored M-major ([T, groups] with stride (1, T)), the layout cuBLAS reads.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -106,47 +110,76 @@ def _row_values(x_ptr, offs, mask, K, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(
+def _quantize_row_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr, K, x_stride, q_stride, s_stride,
-    GROUP_K: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK: tl.constexpr, STATIC: tl.constexpr, SILU_MUL: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
 ):
-    """One program per (row, group of GROUP_K columns): amax over the group, then the rounded values
-    (two passes over the group; the second reads it from L2)."""
+    """One program per row, one scale for it (dynamic or static): amax over the row, then the rounded values
+    (two passes over the row; the second reads it from L2)."""
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
     x_row = x_ptr + row * x_stride
-    start = g * GROUP_K
     if STATIC:
         scale = tl.load(static_ptr)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k0 in range(0, GROUP_K, BLOCK):
-            k = start + k0 + tl.arange(0, BLOCK)
+        for k0 in range(0, K, BLOCK):
+            k = k0 + tl.arange(0, BLOCK)
             amax = tl.maximum(amax, tl.abs(_row_values(x_row, k, k < K, K, SILU_MUL)))
         scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
-        tl.store(s_ptr + row * s_stride + g, scale)
-    for k0 in range(0, GROUP_K, BLOCK):
-        k = start + k0 + tl.arange(0, BLOCK)
+        tl.store(s_ptr + row * s_stride, scale)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
         mask = k < K
         v = tl.clamp(_row_values(x_row, k, mask, K, SILU_MUL) / scale, -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * q_stride + k, v.to(q_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _quantize_groups_kernel(
+    x_ptr, q_ptr, s_ptr, K, x_stride, q_stride, s_stride, s_group_stride,
+    GROUPS_PER_PROGRAM: tl.constexpr, GROUP_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+):
+    """One program per (row, GROUPS_PER_PROGRAM groups of GROUP_K columns): the tile [groups, GROUP_K] is
+    read once, each group's amax taken along its row of the tile."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    k = g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
+    mask = k < K
+    v = _row_values(x_ptr + row * x_stride, k, mask, K, SILU_MUL)
+    scale = tl.maximum(tl.max(tl.abs(v), axis=1), MIN_AMAX) / FP8_MAX
+    tl.store(s_ptr + row * s_stride + g * s_group_stride, scale, mask=g * GROUP_K < K)
+    q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * q_stride + k, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+GROUPS_PER_PROGRAM = 8
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor | None = None, group: int | None = None,
-             silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_ref's rounding in one launch."""
+             silu_mul: bool = False, pad_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_ref's rounding in one launch; group scales come M-major (stride (1, rows)). pad_rows: that
+    many more rows in q and s, left unwritten (their products are thrown away)."""
     T = x.shape[0]
     K = x.shape[1] // 2 if silu_mul else x.shape[1]
-    q = torch.empty(T, K, dtype=FP8, device=x.device)
+    q = torch.empty(T + pad_rows, K, dtype=FP8, device=x.device)
     group_k = group or K
     groups = triton.cdiv(K, group_k)
-    s = scale if scale is not None else torch.empty(T, groups, dtype=torch.float32, device=x.device)
-    if T:
-        block = min(triton.next_power_of_2(group_k), 2048)
-        _quantize_kernel[(T, groups)](
-            x, q, s, s, K, x.stride(0), q.stride(0), s.stride(0) if scale is None else 0,
-            GROUP_K=group_k, BLOCK=block, STATIC=scale is not None, SILU_MUL=silu_mul,
+    dynamic = scale is None
+    s = torch.empty(groups, T + pad_rows, dtype=torch.float32, device=x.device).t() if dynamic else scale
+    if T and group is not None and dynamic:
+        assert group & (group - 1) == 0, group
+        _quantize_groups_kernel[(T, triton.cdiv(groups, GROUPS_PER_PROGRAM))](
+            x, q, s, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+            GROUPS_PER_PROGRAM=GROUPS_PER_PROGRAM, GROUP_K=group, SILU_MUL=silu_mul,
+            FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=4,
+        )
+    elif T:
+        block = min(triton.next_power_of_2(K), 2048)
+        _quantize_row_kernel[(T,)](
+            x, q, s, s, K, x.stride(0), q.stride(0), s.stride(0) if dynamic else 0,
+            BLOCK=block, STATIC=not dynamic, SILU_MUL=silu_mul,
             FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=4 if block >= 1024 else 2,
         )
     return q, s
@@ -155,7 +188,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | None = None, group: int | No
 @triton.jit
 def _fp8_gemm_kernel(
     q_ptr, s_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, M, N, K,
-    q_stride, s_stride, w_stride, ws_stride, y_stride,
+    q_stride, s_stride, s_group_stride, w_stride, ws_stride, y_stride,
     BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
 ):
@@ -177,7 +210,7 @@ def _fp8_gemm_kernel(
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if BLOCKS:
-            a_s = tl.load(s_ptr + m * s_stride + g, mask=m_ok, other=0.0)
+            a_s = tl.load(s_ptr + m * s_stride + g * s_group_stride, mask=m_ok, other=0.0)
             b_s = tl.load(ws_ptr + n_block * ws_stride + g)
             acc += tl.dot(a, b) * (a_s[:, None] * b_s)
         else:
@@ -226,7 +259,7 @@ def fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scal
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
     _fp8_gemm_kernel[grid](
         q, s, weight, weight_scale, y, bias if bias is not None else y, M, N, K,
-        q.stride(0), s.stride(0), weight.stride(0), weight_scale.stride(0) if blocks else 0, y.stride(0),
+        q.stride(0), s.stride(0), s.stride(1), weight.stride(0), weight_scale.stride(0) if blocks else 0, y.stride(0),
         BLOCKS=blocks, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=GROUP if blocks else block_k, GROUP_N=GROUP, num_warps=warps, num_stages=stages,
     )
@@ -239,9 +272,45 @@ def takes_scaled_mm(M: int, N: int, K: int) -> bool:
     return M > 256 or (M > 128 and N * K >= 1 << 24) or (M > 64 and N >= 16384)
 
 
+BLOCKWISE_MIN_ROWS = 16  # past this many rows the block form takes cuBLAS (its K permitting)
+
+
+def takes_blockwise_scaled_mm(M: int, N: int, K: int) -> bool:
+    """Whether cuBLAS's blockwise product serves, and beats the Triton block kernel (H200): past 16 rows, and
+    for long rows (K >= 8192: a down projection) at any count. cuBLAS reads the weight's block scales
+    [K/128, N/128] with a leading dimension it wants a multiple of 4: K a multiple of 512 (smaller ones
+    give wrong products on an H200, torch 2.11 / CUDA 13.0)."""
+    return N % GROUP == 0 and K % (4 * GROUP) == 0 and (M > BLOCKWISE_MIN_ROWS or K >= 8192)
+
+
 def _scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """cuBLAS's fp8 product wants K and N multiples of 16 (and a GPU of compute capability >= 8.9)."""
     return x.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+@functools.cache
+def blockwise_scaled_mm_ok(device: torch.device) -> bool:
+    """Whether torch._scaled_mm takes 1x128 x 128x128 block scales on this GPU: a Hopper (sm_90) and a torch
+    built with CUDA >= 12.9 do; others raise, and the Triton kernel serves. Ask once outside graph
+    capture (layers/fp8.finish_fp8 does, at load)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    q = torch.ones(4, 4 * GROUP, dtype=FP8, device=device)
+    w = torch.ones(2 * GROUP, 4 * GROUP, dtype=FP8, device=device)
+    s = torch.ones(4, 4, dtype=torch.float32, device=device).t()
+    ws = torch.full((2, 4), 0.5, dtype=torch.float32, device=device)
+    try:
+        y = _blockwise_scaled_mm(q, s, w, ws, None, torch.float32)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return bool((y == 2 * GROUP).all())
+
+
+def _blockwise_scaled_mm(q, s, weight, weight_scale, bias, out_dtype):
+    """cuBLAS's blockwise product: q [M, K] with s [M, K/128] M-major (M a multiple of 4: cuBLAS's leading
+    dimension), weight_scale [N/128, K/128] read as its transpose."""
+    y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.t(), out_dtype=out_dtype)
+    return y if bias is None else y.add_(bias)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -254,8 +323,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     block = weight_scale.dim() == 2
     if not x.is_cuda:
         return fp8_linear_ref(x, weight, weight_scale, input_scale, bias, out_dtype, silu_mul)
+    N, K = weight.shape
+    M = x.shape[0]
+    if block and input_scale is None and takes_blockwise_scaled_mm(M, N, K) and blockwise_scaled_mm_ok(x.device):
+        q, s = quantize(x, None, GROUP, silu_mul, pad_rows=-M % 4)
+        return _blockwise_scaled_mm(q, s, weight, weight_scale, bias, out_dtype)[:M]
     q, s = quantize(x, input_scale, GROUP if block and input_scale is None else None, silu_mul)
-    if block or not _scaled_mm_ok(x, weight) or not takes_scaled_mm(*x.shape[:1], *weight.shape):
+    if block:
+        return fp8_gemm(q, s, weight, weight_scale, bias, out_dtype)
+    if not _scaled_mm_ok(x, weight) or not takes_scaled_mm(M, N, K):
         return fp8_gemm(q, s, weight, weight_scale, bias, out_dtype)
     if input_scale is not None:  # row-wise scales on both sides: the static scale repeated per row
         s = input_scale.reshape(1, 1).expand(q.shape[0], 1).contiguous()

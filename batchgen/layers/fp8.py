@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.kernels import silu_and_mul
-from batchgen.kernels.fp8_gemm import dequantize_weight_ref, fp8_linear, quantize_weight_ref, round_ref
+from batchgen.kernels.fp8_gemm import (
+    blockwise_scaled_mm_ok,
+    dequantize_weight_ref,
+    fp8_linear,
+    quantize_weight_ref,
+    round_ref,
+)
 from batchgen.layers.packed_linear import packed_linear
 
 E4M3 = torch.float8_e4m3fn
@@ -96,7 +102,10 @@ def finish_fp8(layer, dtype: torch.dtype) -> None:
         weight, scale = quantize_weight_ref(layer.weight.data)
         layer.weight = nn.Parameter(weight, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-    if layer.weight.device.type != "cuda":
-        plain = dequantize_weight_ref(layer.weight.data, layer.weight_scale.data).to(dtype)
-        layer.weight = nn.Parameter(plain, requires_grad=False)
-        del layer.weight_scale
+    if layer.weight.device.type == "cuda":
+        if layer.fp8.weights == "block":
+            blockwise_scaled_mm_ok(layer.weight.device)  # (asked here, never inside a graph's capture)
+        return
+    plain = dequantize_weight_ref(layer.weight.data, layer.weight_scale.data).to(dtype)
+    layer.weight = nn.Parameter(plain, requires_grad=False)
+    del layer.weight_scale

@@ -5,6 +5,8 @@ import torch
 from batchgen.kernels.fp8_gemm import (
     FP8,
     GROUP,
+    blockwise_scaled_mm_ok,
+    dequantize_weight_ref,
     fp8_gemm,
     fp8_linear,
     fp8_linear_ref,
@@ -98,6 +100,24 @@ def test_fp8_gemm_tiles_and_static_scale(device, tile):
     q, _ = quantize_ref(x.cpu(), scale)
     y = fp8_gemm(q.to(device), scale.to(device), wq.to(device), ws.to(device), None, torch.float32, tile)
     _assert_product_close(y.cpu(), fp8_linear_ref(x.cpu(), wq, ws, scale))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="cuBLAS's blockwise product runs on a GPU")
+@pytest.mark.parametrize("rows,k", [(65, 512), (300, 1024), (16, 8192), (1, 8192), (130, 384)])
+def test_block_form_through_cublas_matches_reference(rows, k):
+    """Past 64 rows (or for long rows) the block form takes cuBLAS's blockwise product where this GPU has it,
+    its rows padded to a multiple of 4; K = 384 stays on the Triton kernel (cuBLAS would get it wrong). The
+    reference takes the kernel's own rounding of x (the GPU's division may round a value to the other side
+    of an e4m3 boundary)."""
+    if not blockwise_scaled_mm_ok(torch.device("cuda")):
+        pytest.skip("no blockwise scaled product in this torch / on this GPU")
+    wq, ws = quantize_weight_ref(_x((256, k), "cpu", seed=7), block=True)
+    x = _x((rows, k), "cuda", dtype=torch.bfloat16, seed=8)
+    bias = _x((256,), "cuda", seed=9)
+    y = fp8_linear(x, wq.cuda(), ws.cuda(), bias=bias, out_dtype=torch.float32)
+    q, s = quantize(x, group=GROUP)
+    x_rounded = q.float().cpu() * s.cpu().repeat_interleave(GROUP, dim=1)[:, :k]
+    _assert_product_close(y.cpu(), x_rounded @ dequantize_weight_ref(wq, ws).t() + bias.cpu())
 
 
 def test_fp8_linear_reference_is_the_cpu_path():
