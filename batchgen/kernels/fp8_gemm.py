@@ -295,15 +295,20 @@ def blockwise_scaled_mm_ok(device: torch.device) -> bool:
     capture (layers/fp8.finish_fp8 does, at load)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return False
+    # Ones times distinct scales (exact in fp32): y[m, n] = 128 * sum_g s[m, g] * ws[n // 128, g], which a
+    # misread layout of either scale tensor gets wrong.
+    f32 = dict(dtype=torch.float32, device=device)
     q = torch.ones(4, 4 * GROUP, dtype=FP8, device=device)
     w = torch.ones(2 * GROUP, 4 * GROUP, dtype=FP8, device=device)
-    s = torch.ones(4, 4, dtype=torch.float32, device=device).t()
-    ws = torch.full((2, 4), 0.5, dtype=torch.float32, device=device)
+    rows, groups, blocks = torch.arange(1, 5, **f32), torch.arange(4, **f32), torch.arange(1, 3, **f32)
+    s = (rows[:, None] * torch.exp2(groups)[None, :]).t().contiguous().t()  # [4, 4], M-major, not symmetric
+    ws = blocks[:, None] * (groups + 1)[None, :]  # [2, 4]
+    want = GROUP * (s @ ws.t()).repeat_interleave(GROUP, dim=1)
     try:
         y = _blockwise_scaled_mm(q, s, w, ws, None, torch.float32)
     except (RuntimeError, TypeError, ValueError):
         return False
-    return bool((y == 2 * GROUP).all())
+    return bool(torch.equal(y, want))
 
 
 def _blockwise_scaled_mm(q, s, weight, weight_scale, bias, out_dtype):
