@@ -324,22 +324,28 @@ def decode_attention_cpu(
     max_kv_len: int,
     scale: float,
 ) -> torch.Tensor:
-    """The CPU path: the reference's math as two batched matrix products per step, each query
-    head group [G, D] against its KV head's keys [L, D]. SDPA's CPU kernel spends ~8x longer on
-    these one-query problems. Scores come out of the product in q's dtype and are softmaxed in fp32
-    (as HF's eager attention does)."""
+    """The CPU path: the reference's math as two batched matrix products per step over each
+    sequence's gathered keys and values as they lie, [L, Hk D], with no copy into a per-head layout.
+    The queries enter block-diagonally, [Hq, Hk D] with zeros outside each head's own KV head, so
+    the scores' dots are the plain ones (the zeros add nothing); the output keeps each head's own
+    block. SDPA's CPU kernel spends ~8x longer on these one-query problems. Scores come out of the
+    product in q's dtype and are softmaxed in fp32 (as HF's eager attention does)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     valid = torch.arange(max_kv_len, device=q.device)[None, :] < kv_lens[:, None]  # [B, L]
     slots = req_to_token[:, :max_kv_len].index_select(0, req_rows.long()).long().masked_fill_(~valid, 0)
-    shape = (num_seqs, max_kv_len, num_kv_heads, head_dim)
-    k = k_cache.index_select(0, slots.view(-1)).view(shape).to(q.dtype).transpose(1, 2)  # [B, Hk, L, D]
-    v = v_cache.index_select(0, slots.view(-1)).view(shape).to(q.dtype).transpose(1, 2)
-    scores = torch.matmul(q.view(num_seqs, num_kv_heads, group, head_dim), k.transpose(-1, -2))
-    scores = scores.float().mul_(scale).masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [B, Hk, G, L]
-    return torch.matmul(probs, v).view(num_seqs, num_q_heads, head_dim)
+    shape = (num_seqs, max_kv_len, num_kv_heads * head_dim)
+    k = k_cache.index_select(0, slots.view(-1)).view(shape).to(q.dtype)  # [B, L, Hk D]
+    v = v_cache.index_select(0, slots.view(-1)).view(shape).to(q.dtype)
+    q_blocks = q.new_zeros(num_seqs, num_kv_heads, group, num_kv_heads, head_dim)  # [B, Hk, G, Hk, D]
+    # (the diagonal over the two Hk dims is [B, G, D, Hk])
+    q_blocks.diagonal(dim1=1, dim2=3).copy_(q.view(num_seqs, num_kv_heads, group, head_dim).permute(0, 2, 3, 1))
+    scores = torch.bmm(q_blocks.view(num_seqs, num_q_heads, -1), k.transpose(1, 2))  # [B, Hq, L]
+    scores = scores.float().mul_(scale).masked_fill_(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.bmm(probs, v).view(num_seqs, num_kv_heads, group, num_kv_heads, head_dim)
+    return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(num_seqs, num_q_heads, head_dim)
 
 
 def decode_attention(
