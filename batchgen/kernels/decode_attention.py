@@ -345,7 +345,8 @@ def decode_attention_cpu(
     scores = scores.float().mul_(scale).masked_fill_(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.bmm(probs, v).view(num_seqs, num_kv_heads, group, num_kv_heads, head_dim)
-    # (contiguous: with one KV head the diagonal is a view, and callers view the result)
+    # (contiguous: where each KV head serves one query head the permuted diagonal reshapes to a strided
+    # view, and callers view the result)
     return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).contiguous().view(num_seqs, num_q_heads, head_dim)
 
 

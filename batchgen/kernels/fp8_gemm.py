@@ -330,13 +330,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return fp8_linear_ref(x, weight, weight_scale, input_scale, bias, out_dtype, silu_mul)
     N, K = weight.shape
     M = x.shape[0]
-    if block and input_scale is None and takes_blockwise_scaled_mm(M, N, K) and blockwise_scaled_mm_ok(x.device):
-        q, s = quantize(x, None, GROUP, silu_mul, pad_rows=-M % 4)
+    group = GROUP if block and input_scale is None else None
+    blockwise = group is not None and takes_blockwise_scaled_mm(M, N, K) and blockwise_scaled_mm_ok(x.device)
+    q, s = quantize(x, input_scale, group, silu_mul, pad_rows=-M % 4 if blockwise else 0)
+    if blockwise:
         return _blockwise_scaled_mm(q, s, weight, weight_scale, bias, out_dtype)[:M]
-    q, s = quantize(x, input_scale, GROUP if block and input_scale is None else None, silu_mul)
-    if block:
-        return fp8_gemm(q, s, weight, weight_scale, bias, out_dtype)
-    if not _scaled_mm_ok(x, weight) or not takes_scaled_mm(M, N, K):
+    if block or not _scaled_mm_ok(x, weight) or not takes_scaled_mm(M, N, K):
         return fp8_gemm(q, s, weight, weight_scale, bias, out_dtype)
     if input_scale is not None:  # row-wise scales on both sides: the static scale repeated per row
         s = input_scale.reshape(1, 1).expand(q.shape[0], 1).contiguous()
