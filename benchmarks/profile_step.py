@@ -1,10 +1,12 @@
 """Where the time goes in the step loop: one workload of benchmarks/throughput.py under cProfile
 (after a warm-up job), the top functions by own time and the step count; with --kernels, the top
 GPU kernels by total time over steps 100-199 of the job, or over the whole job with --steps all
-(torch profiler).
+(torch profiler). --kernels runs with programmatic dependent launch off unless --pdl on: under PDL a
+kernel starts before the one it follows ends and waits for it, so the table would charge the wait
+to the later kernel.
 
     python benchmarks/profile_step.py --model llama-3.2-1b --workload W-short [--kernels [--steps all]] [-tp N]
-        [--batch-invariant]
+        [--batch-invariant] [--pdl on|off]
 """
 from __future__ import annotations
 
@@ -35,11 +37,14 @@ def main(argv=None):
                     help="profile rank 0 of a tensor-parallel engine (its host loop, or its GPU's kernels)")
     ap.add_argument("--steps", default="100:200", help="steps profiled with --kernels: FIRST:END or all")
     ap.add_argument("--batch-invariant", action="store_true", help="profile the --batch-invariant mode")
+    ap.add_argument("--pdl", choices=["on", "off"], default=None,
+                    help="programmatic dependent launch (default: on, off with --kernels; the module's docstring)")
     args = ap.parse_args(argv)
+    pdl = args.pdl == "on" if args.pdl else not args.kernels
     model_dir = build_model(args.model, Path(args.models_dir))
     requests = make_requests(args.workload, MODELS[args.model][1]["vocab_size"])
     llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=args.tensor_parallel_size,
-              batch_invariant=args.batch_invariant)
+              batch_invariant=args.batch_invariant, pdl=pdl)
     try:
         profile(llm, requests, args)
     finally:
