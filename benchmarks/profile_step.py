@@ -6,7 +6,7 @@ kernel starts before the one it follows ends and waits for it, so the table woul
 to the later kernel.
 
     python benchmarks/profile_step.py --model llama-3.2-1b --workload W-short [--kernels [--steps all]] [-tp N]
-        [--batch-invariant] [--pdl on|off]
+        [--batch-invariant] [--kv-cache-dtype fp8] [--quantization fp8] [--load-format dummy] [--pdl on|off]
 """
 from __future__ import annotations
 
@@ -37,14 +37,19 @@ def main(argv=None):
                     help="profile rank 0 of a tensor-parallel engine (its host loop, or its GPU's kernels)")
     ap.add_argument("--steps", default="100:200", help="steps profiled with --kernels: FIRST:END or all")
     ap.add_argument("--batch-invariant", action="store_true", help="profile the --batch-invariant mode")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="the KV pool's dtype")
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="quantize the weights at load")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                    help="dummy: random weights from the shape alone (no checkpoint written)")
     ap.add_argument("--pdl", choices=["on", "off"], default=None,
                     help="programmatic dependent launch (default: on, off with --kernels; the module's docstring)")
     args = ap.parse_args(argv)
     pdl = args.pdl == "on" if args.pdl else not args.kernels
-    model_dir = build_model(args.model, Path(args.models_dir))
+    model_dir = build_model(args.model, Path(args.models_dir), weights=args.load_format != "dummy")
     requests = make_requests(args.workload, MODELS[args.model][1]["vocab_size"])
     llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=args.tensor_parallel_size,
-              batch_invariant=args.batch_invariant, pdl=pdl)
+              batch_invariant=args.batch_invariant, pdl=pdl, kv_cache_dtype=args.kv_cache_dtype,
+              quantization=args.quantization, load_format=args.load_format)
     try:
         profile(llm, requests, args)
     finally:

@@ -181,13 +181,21 @@ DENSE_PROGRAMS_PER_SM = 8
 DENSEST_PROGRAMS_PER_SM = 12
 TILE_HEAD_DIM_128 = (64, 4, 3)
 TILE_SMALL = (32, 4, 1)
+# An fp8 pool halves the bytes a key but not the math, which a 4-warp program no longer hides under the loads
+# (its softmax reduces across warps): with many programs (one split each), one warp a program (fit on an H200
+# at W-offline's steps, benchmarks/KERNELS.md session 39); with few, the 16-bit pool's tiles.
+TILE_FP8_POOL_DENSE = (64, 1, 3)
+FP8_POOL_DENSE_PROGRAMS_PER_SM = 6
 
 
-def pick_tile(dtype: torch.dtype, head_dim: int, programs: int, sms: int) -> tuple[int, int, int]:
-    """(BLOCK_N, warps, stages) for queries of this dtype and head_dim, at `programs` = sequences x kv
-    heads (programs before any split)."""
+def pick_tile(dtype: torch.dtype, head_dim: int, programs: int, sms: int,
+              pool_dtype: torch.dtype | None = None) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages) for queries of this dtype and head_dim over a pool of pool_dtype
+    (None: the queries' dtype), at `programs` = sequences x kv heads (programs before any split)."""
     if dtype == torch.float32 or head_dim > 128:
         return TILE_SMALL
+    if pool_dtype == torch.float8_e4m3fn and programs >= FP8_POOL_DENSE_PROGRAMS_PER_SM * sms:
+        return TILE_FP8_POOL_DENSE
     if head_dim > 64:
         return TILE_HEAD_DIM_128
     if programs >= DENSEST_PROGRAMS_PER_SM * sms:
@@ -195,10 +203,13 @@ def pick_tile(dtype: torch.dtype, head_dim: int, programs: int, sms: int) -> tup
     return TILE_HEAD_DIM_64_DENSE if programs >= DENSE_PROGRAMS_PER_SM * sms else TILE_HEAD_DIM_64
 
 
-def dense_tile_batch_sizes(num_kv_heads: int, sms: int) -> list[int]:
-    """The fewest sequences at which pick_tile takes each of its tiles for many programs (head_dim 64,
-    16-bit): the dense, then the densest. Warm-up runs a decode step of each size a job can reach."""
-    return [triton.cdiv(per_sm * sms, num_kv_heads) for per_sm in (DENSE_PROGRAMS_PER_SM, DENSEST_PROGRAMS_PER_SM)]
+def dense_tile_batch_sizes(num_kv_heads: int, sms: int, pool_dtype: torch.dtype | None = None) -> list[int]:
+    """The fewest sequences at which pick_tile takes each of its tiles for many programs (16-bit queries,
+    head_dim 64, or any head_dim over an fp8 pool): warm-up runs a decode step of each size a job can reach."""
+    per_sms = [DENSE_PROGRAMS_PER_SM, DENSEST_PROGRAMS_PER_SM]
+    if pool_dtype == torch.float8_e4m3fn:  # (the fp8 dense tile comes first and takes over the others)
+        per_sms = [FP8_POOL_DENSE_PROGRAMS_PER_SM]
+    return [triton.cdiv(per_sm * sms, num_kv_heads) for per_sm in per_sms]
 
 
 def pick_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, sms: int,
@@ -280,7 +291,7 @@ def decode_attention_triton(
 ) -> torch.Tensor:
     head_dim = q.shape[2]
     sms = num_sms(q.device) if q.is_cuda else 4
-    block_n, num_warps, num_stages = pick_tile(q.dtype, head_dim, q.shape[0] * k_cache.shape[1], sms)
+    block_n, num_warps, num_stages = pick_tile(q.dtype, head_dim, q.shape[0] * k_cache.shape[1], sms, k_cache.dtype)
     num_splits = pick_num_splits(q.shape[0], k_cache.shape[1], max_kv_len, block_n, sms)
     return _decode_attention_launch(
         q, k_cache, v_cache, req_to_token, req_rows, kv_lens, max_kv_len, scale,

@@ -8,7 +8,15 @@ rotated keys of rope + store not at all: the interpreter itself rounds some valu
 import pytest
 import torch
 
-from batchgen.kernels.decode_attention import decode_attention_cpu, decode_attention_ref, decode_attention_triton
+from batchgen.kernels.decode_attention import (
+    TILE_FP8_POOL_DENSE,
+    _decode_attention_launch,
+    decode_attention_cpu,
+    decode_attention_ref,
+    decode_attention_triton,
+    dense_tile_batch_sizes,
+    pick_tile,
+)
 from batchgen.kernels.kv_dtype import FP8_E4M3_MAX, cast_for_cache
 from batchgen.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 from batchgen.kernels.rope_store_kv import rope_store_kv_ref, rope_store_kv_triton
@@ -98,6 +106,32 @@ def test_decode_attention_reads_fp8_pool(device, assert_close, dtype):
     # the same values in a pool of the model's dtype (products in that dtype, not fp16) agree
     widened = (*args[:1], batch.k_cache.to(dtype), batch.v_cache.to(dtype), *args[3:])
     assert_close(decode_attention_triton(*widened), out)
+
+
+@pytest.mark.parametrize("head_dim,kv_heads,sms", [(64, 8, 132), (128, 8, 132), (64, 2, 78), (80, 3, 114)])
+def test_fp8_pool_takes_one_warp_a_program_once_programs_are_many(head_dim, kv_heads, sms):
+    """From 6 programs an SM (llama shapes on 132 SMs: 99 sequences) the fp8 pool's tile; below it, and for
+    fp32 queries, the 16-bit pool's; warm-up's decode step (executor/warmup.py) is the first size that takes it."""
+    bf16 = torch.bfloat16
+    (dense,) = dense_tile_batch_sizes(kv_heads, sms, FP8)
+    assert pick_tile(bf16, head_dim, dense * kv_heads, sms, FP8) == TILE_FP8_POOL_DENSE
+    assert pick_tile(bf16, head_dim, 256 * kv_heads, sms, FP8) == TILE_FP8_POOL_DENSE
+    for programs in (1, (dense - 1) * kv_heads):
+        assert pick_tile(bf16, head_dim, programs, sms, FP8) == pick_tile(bf16, head_dim, programs, sms)
+    assert pick_tile(torch.float32, head_dim, 256 * 8, 132, FP8) == pick_tile(torch.float32, head_dim, 256 * 8, 132)
+    assert dense_tile_batch_sizes(8, 132, FP8) == [99]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_attention_reads_fp8_pool_at_its_dense_tile(device, assert_close, dtype, head_dim):
+    """The fp8 pool's tile (one warp; one split, as where programs are many) against the reference."""
+    kv_lens = [1, 70, 13, 200, 97]
+    batch = _fp8_batch([(1, n) for n in kv_lens], dtype, device, heads=(8, 2, head_dim))
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.req_rows, batch.kv_lens,
+            max(kv_lens), head_dim**-0.5)
+    block_n, warps, stages = TILE_FP8_POOL_DENSE
+    assert_close(_decode_attention_launch(*args, 1, block_n, warps, stages), decode_attention_ref(*args))
 
 
 @pytest.mark.interpreter_bf16
