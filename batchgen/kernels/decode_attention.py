@@ -182,8 +182,8 @@ DENSEST_PROGRAMS_PER_SM = 12
 TILE_HEAD_DIM_128 = (64, 4, 3)
 TILE_SMALL = (32, 4, 1)
 # An fp8 pool halves the bytes a key but not the math, which a 4-warp program no longer hides under the loads
-# (its softmax reduces across warps): with many programs (one split each), one warp a program (fit on an H200
-# at W-offline's steps, benchmarks/KERNELS.md session 39); with few, the 16-bit pool's tiles.
+# (its softmax reduces across warps): with many programs (one split each), one warp a program; with few, the
+# 16-bit pool's tiles (fit on an H200 at W-offline's steps: benchmarks/KERNELS.md).
 TILE_FP8_POOL_DENSE = (64, 1, 3)
 FP8_POOL_DENSE_PROGRAMS_PER_SM = 6
 
