@@ -13,8 +13,27 @@ class _Interrupted(BaseException):
     turn into exit 130 on its way out."""
 
 
+# The start-up signals taken so far. Python drops an exception raised inside a callback it runs for its own
+# ends (importlib's module-lock weakref callback, a __del__), printing "Exception ignored", so the raise alone
+# may be lost; the next handler to be installed raises it again.
+_received: list[str] = []
+
+
 def _interrupt(signum, frame) -> None:
-    raise _Interrupted(signal.Signals(signum).name)
+    name = signal.Signals(signum).name
+    _received.append(name)
+    raise _Interrupted(name)
+
+
+def _reset_startup_signals() -> None:
+    """A command starts with no start-up signal taken."""
+    _received.clear()
+
+
+def _raise_lost_startup_signal() -> None:
+    """Raise _Interrupted for a start-up signal whose exception Python dropped (see _received)."""
+    if _received:
+        raise _Interrupted(_received[0])
 
 
 class _Signals:
@@ -30,6 +49,11 @@ class _Signals:
     def __enter__(self) -> _Signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            _raise_lost_startup_signal()
+        except _Interrupted:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
