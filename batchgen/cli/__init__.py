@@ -14,8 +14,8 @@ import typer
 
 from batchgen.cli import bench, models, queue, run
 from batchgen.cli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, _ClickException, _UsageError
-from batchgen.cli.signals import _interrupt, _Interrupted, _reset_startup_signals
 from batchgen.extras import EXTRA_OF, MissingExtra
+from batchgen.interrupts import Interrupted, interrupt, reset
 
 
 class BatchgenApp(typer.Typer):
@@ -25,11 +25,11 @@ class BatchgenApp(typer.Typer):
         # From here on, before the heavy imports and the default model's conversion, SIGTERM/SIGINT
         # unwind the command (the conversion removes its directory) and it exits 75; a command that
         # has something to finish installs its own handlers (_Signals, the worker's).
-        _reset_startup_signals()
-        previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+        reset()
+        previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             self._main(args, prog_name)
-        except _Interrupted as e:
+        except Interrupted as e:
             print(f"{prog_name}: {e}: interrupted; rerun the same command to go on", file=sys.stderr)
             sys.exit(EXIT_INTERRUPTED)
         finally:

@@ -30,7 +30,8 @@ from batchgen.cli.options import (
     input_format_option,
     served_model_name_option,
 )
-from batchgen.cli.signals import _raise_lost_startup_signal, _Signals
+from batchgen.cli.signals import _Signals
+from batchgen.interrupts import raise_if_dropped
 
 EXIT_TIMEOUT = 124  # collect: not every row had a result in time (as timeout(1) exits)
 
@@ -195,7 +196,7 @@ def worker(
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     metrics = None
     try:
-        _raise_lost_startup_signal()
+        raise_if_dropped()
         log.info("worker %s: loading the engine; queue %s at %s", name, keys.requests, redact(options["redis_url"]))
         llm = setup.make_llm()
         metrics = WorkerMetrics(llm)

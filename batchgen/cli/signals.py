@@ -7,33 +7,7 @@ import signal
 import sys
 import threading
 
-
-class _Interrupted(BaseException):
-    """SIGTERM/SIGINT where no command handler took it. Not a KeyboardInterrupt, which Typer would
-    turn into exit 130 on its way out."""
-
-
-# The start-up signals taken so far. Python drops an exception raised inside a callback it runs for its own
-# ends (importlib's module-lock weakref callback, a __del__), printing "Exception ignored", so the raise alone
-# may be lost; the next handler to be installed raises it again.
-_received: list[str] = []
-
-
-def _interrupt(signum, frame) -> None:
-    name = signal.Signals(signum).name
-    _received.append(name)
-    raise _Interrupted(name)
-
-
-def _reset_startup_signals() -> None:
-    """A command starts with no start-up signal taken."""
-    _received.clear()
-
-
-def _raise_lost_startup_signal() -> None:
-    """Raise _Interrupted for a start-up signal whose exception Python dropped (see _received)."""
-    if _received:
-        raise _Interrupted(_received[0])
+from batchgen.interrupts import raise_if_dropped
 
 
 class _Signals:
@@ -47,13 +21,9 @@ class _Signals:
         self._previous: dict = {}
 
     def __enter__(self) -> _Signals:
+        raise_if_dropped()  # (a start-up signal whose exception Python dropped: batchgen/interrupts.py)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
-        try:
-            _raise_lost_startup_signal()
-        except _Interrupted:
-            self.__exit__()
-            raise
         return self
 
     def __exit__(self, *exc) -> None:

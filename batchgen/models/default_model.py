@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from batchgen.config import cache_dir
+from batchgen.interrupts import raise_if_dropped
 from batchgen.models.generation_config import GENERATION_CONFIG
 
 log = logging.getLogger("batchgen")
@@ -73,6 +74,7 @@ def ensure_default_model() -> Path:
         tokenizer.save_pretrained(tmp)
         _add_sampling_defaults(tmp)
         _give_files_the_directory_mode(tmp)
+        raise_if_dropped()  # (a SIGTERM whose exception Python dropped: unwind before publishing)
         try:
             tmp.rename(target)  # atomic: a concurrent converter either wins or finds it done
         except OSError:
