@@ -8,6 +8,11 @@ reference. Graph-replayed (100 calls a graph) so launch costs count as in the en
 --tune sweeps the Triton tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the per-channel and the
 block form at each row count and prints the best of each (kernels/fp8_gemm.py's CHANNEL_TILES and
 BLOCK_TILES come from these lines).
+
+--rounding times the activations' rounding instead, at each row count: the row kernel with the row held
+whole against read twice, on each product's input (down's: silu(gate) * up of the gate/up pair), and the
+add + RMSNorm that rounds its output (kernels/rmsnorm.add_rmsnorm_fp8) against the norm and then the row
+kernel.
 """
 from __future__ import annotations
 
@@ -20,7 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import batchgen.kernels.fp8_gemm as fp8_gemm_module  # noqa: E402
 from batchgen.kernels.fp8_gemm import GROUP, fp8_gemm, fp8_linear, fp8_linear_ref, quantize, quantize_weight_ref  # noqa: E402
+from batchgen.kernels.rmsnorm import add_rmsnorm_fp8, add_rmsnorm_triton  # noqa: E402
 
 # name: {product: (N, K)}
 SHAPES = {
@@ -57,7 +64,10 @@ def main(argv=None):
     ap.add_argument("--model", choices=list(SHAPES), default="llama-3.1-8b")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 2048, 8192])
     ap.add_argument("--tune", action="store_true", help="sweep the Triton tiles (see above)")
+    ap.add_argument("--rounding", action="store_true", help="time the activations' rounding (see above)")
     args = ap.parse_args(argv)
+    if args.rounding:
+        return time_rounding(args.model, args.rows)
     gpu = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_FP8_TFLOPS.items() if k in gpu), None)
     torch.manual_seed(0)
@@ -109,6 +119,31 @@ def main(argv=None):
                     us, tile = min(timed)
                     line[f"{form}_best_tile"], line[f"{form}_best_us"] = tile, round(us, 2)
             print(json.dumps(line), flush=True)
+
+
+def time_rounding(model: str, rows_list: list[int]) -> None:
+    """--rounding's lines: microseconds of each way to round a product's input rows."""
+    gpu = torch.cuda.get_device_name()
+    shapes = SHAPES[model]
+    hidden = shapes["o"][1]
+    one_pass = fp8_gemm_module.ROW_IN_REGISTERS
+    for rows in rows_list:
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn_like(x)
+        weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+        pair = torch.randn(rows, 2 * shapes["down"][1], device="cuda", dtype=torch.bfloat16)
+        line = {"gpu": gpu, "model": model, "rows": rows}
+        inputs = {"hidden": lambda: quantize(x), "down_silu_mul": lambda: quantize(pair, silu_mul=True)}
+        for label, fn in inputs.items():
+            line[f"{label}_one_pass_us"] = round(time_us(fn), 2)
+            fp8_gemm_module.ROW_IN_REGISTERS = 2048  # (two passes over 2,048-value blocks)
+            line[f"{label}_two_pass_us"] = round(time_us(fn), 2)
+            fp8_gemm_module.ROW_IN_REGISTERS = one_pass
+        norm = lambda: add_rmsnorm_triton(x, residual, weight, 1e-5)  # noqa: E731
+        line["norm_then_round_us"] = round(time_us(lambda: quantize(norm()[0])), 2)
+        line["norm_rounds_us"] = round(time_us(lambda: add_rmsnorm_fp8(x, residual, weight, 1e-5)), 2)
+        line["norm_alone_us"] = round(time_us(norm), 2)
+        print(json.dumps(line), flush=True)
 
 
 def candidate_tiles(rows: int, blocks: bool) -> list[tuple]:

@@ -112,27 +112,40 @@ def _row_values(x_ptr, offs, mask, K, SILU_MUL: tl.constexpr):
 @triton.jit
 def _quantize_row_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr, K, x_stride, q_stride, s_stride,
-    BLOCK: tl.constexpr, STATIC: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, STATIC: tl.constexpr, SILU_MUL: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
 ):
-    """One program per row, one scale for it (dynamic or static): amax over the row, then the rounded values
-    (two passes over the row; the second reads it from L2)."""
+    """One program per row, one scale for it (dynamic or static). ONE_PASS (K <= BLOCK): the row is loaded
+    once and held, every load in flight at once; else it is read twice, for its amax and then for the
+    rounded values (the second pass from L2)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
-    if STATIC:
-        scale = tl.load(static_ptr)
+    if ONE_PASS:
+        k = tl.arange(0, BLOCK)
+        mask = k < K
+        v = _row_values(x_row, k, mask, K, SILU_MUL)
+        if STATIC:
+            scale = tl.load(static_ptr)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(v), axis=0), MIN_AMAX) / FP8_MAX
+            tl.store(s_ptr + row * s_stride, scale)
+        v = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * q_stride + k, v.to(q_ptr.dtype.element_ty), mask=mask)
     else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                k = k0 + tl.arange(0, BLOCK)
+                amax = tl.maximum(amax, tl.abs(_row_values(x_row, k, k < K, K, SILU_MUL)))
+            scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
+            tl.store(s_ptr + row * s_stride, scale)
         for k0 in range(0, K, BLOCK):
             k = k0 + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(_row_values(x_row, k, k < K, K, SILU_MUL)))
-        scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
-        tl.store(s_ptr + row * s_stride, scale)
-    for k0 in range(0, K, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        mask = k < K
-        v = tl.clamp(_row_values(x_row, k, mask, K, SILU_MUL) / scale, -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + row * q_stride + k, v.to(q_ptr.dtype.element_ty), mask=mask)
+            mask = k < K
+            v = tl.clamp(_row_values(x_row, k, mask, K, SILU_MUL) / scale, -FP8_MAX, FP8_MAX)
+            tl.store(q_ptr + row * q_stride + k, v.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -155,6 +168,7 @@ def _quantize_groups_kernel(
 
 
 GROUPS_PER_PROGRAM = 8
+ROW_IN_REGISTERS = 16384  # the longest row the row kernel holds whole (32 values a thread at 16 warps)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor | None = None, group: int | None = None,
@@ -176,11 +190,11 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | None = None, group: int | No
             FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=4,
         )
     elif T:
-        block = min(triton.next_power_of_2(K), 2048)
+        block = min(triton.next_power_of_2(K), ROW_IN_REGISTERS)
         _quantize_row_kernel[(T,)](
             x, q, s, s, K, x.stride(0), q.stride(0), s.stride(0) if dynamic else 0,
-            BLOCK=block, STATIC=not dynamic, SILU_MUL=silu_mul,
-            FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=4 if block >= 1024 else 2,
+            BLOCK=block, ONE_PASS=K <= block, STATIC=not dynamic, SILU_MUL=silu_mul,
+            FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=min(max(block // 512, 2), 16),
         )
     return q, s
 
@@ -335,9 +349,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     q, s = quantize(x, input_scale, group, silu_mul, pad_rows=-M % 4 if blockwise else 0)
     if blockwise:
         return _blockwise_scaled_mm(q, s, weight, weight_scale, bias, out_dtype)[:M]
-    if block or not _scaled_mm_ok(x, weight) or not takes_scaled_mm(M, N, K):
+    return fp8_product(q, s, weight, weight_scale, input_scale, bias, out_dtype)
+
+
+def fp8_product(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                input_scale: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_linear's product of activations already rounded (q [M, K] e4m3 on a GPU with their scales s:
+    per row [M, 1], or input_scale when static), except cuBLAS's block form: cuBLAS's row-wise product
+    where it beats the Triton tiles, else the tiles."""
+    M, K = q.shape
+    N = weight.shape[0]
+    if weight_scale.dim() == 2 or not _scaled_mm_ok(q, weight) or not takes_scaled_mm(M, N, K):
         return fp8_gemm(q, s, weight, weight_scale, bias, out_dtype)
     if input_scale is not None:  # row-wise scales on both sides: the static scale repeated per row
-        s = input_scale.reshape(1, 1).expand(q.shape[0], 1).contiguous()
+        s = input_scale.reshape(1, 1).expand(M, 1).contiguous()
     return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.view(1, -1), bias=bias,
                             out_dtype=out_dtype)

@@ -20,6 +20,7 @@ from batchgen.kernels.fp8_gemm import (
     blockwise_scaled_mm_ok,
     dequantize_weight_ref,
     fp8_linear,
+    fp8_product,
     quantize_weight_ref,
     round_ref,
 )
@@ -63,6 +64,18 @@ class Fp8Form:
         if layer.packed is not None:
             return packed_linear(x, layer.packed, bias)
         return F.linear(x, layer.weight, bias)
+
+
+    def takes_normed_rows(self, x: torch.Tensor) -> bool:
+        """Whether the RMSNorm before this layer may hand it x's rows already rounded to e4m3
+        (kernels/rmsnorm.add_rmsnorm_fp8, one launch for the norm and the rounding): on a GPU, for
+        per-channel weights with per-token dynamic activations."""
+        return x.is_cuda and self.weights == "channel" and self.activations == "token"
+
+    def product_of_rounded(self, layer, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None,
+                           out_dtype: torch.dtype) -> torch.Tensor:
+        """product() of rows the norm rounded: q [T, K] e4m3 and their scales s [T, 1]."""
+        return fp8_product(q, s, layer.weight, layer.weight_scale, None, bias, out_dtype)
 
 
 def _param(tensor: torch.Tensor, loader) -> nn.Parameter:

@@ -3,7 +3,9 @@ give the greedy tokens of HF transformers' float32 model with the same quantizat
 weights, each quantized Linear's input rounded to e4m3 with the scheme's scales), alone, in a batch and
 under TP=2; the KV-cache scales reach the attention layers; quantization configs batchgen does not
 implement, and FP8 weights whose scales it would not apply, are refused before a job starts. A difference
-in tokens is tolerated only after a step where the reference's top-2 logits were within 1e-3."""
+in tokens is tolerated only after a step where the reference's top-2 logits were within TIE: a last-bit
+difference in an fp32 activation (another CPU's summation order) can move its e4m3 rounding by one step,
+1/16 of the value, which moves these tiny models' logits by a few 1e-3 (seen: 4.8e-3 on an Intel Xeon)."""
 import json
 import random
 
@@ -23,6 +25,7 @@ from tests.test_cli_run import read as read_output
 from tests.tiny_models import EOS, VOCAB
 
 LENGTHS = [1, 5, 40, 17]
+TIE = 1e-2
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
@@ -49,7 +52,7 @@ def assert_tokens_match(results, refs):
         if diverged is None:
             assert ours == ref_tokens and result["finish_reason"] == ("stop" if ours[-1] == EOS else "length")
         else:
-            assert min(margins[: diverged + 1]) < 1e-3, f"token {diverged}: ours {ours} vs reference {ref_tokens}"
+            assert min(margins[: diverged + 1]) < TIE, f"token {diverged}: ours {ours} vs reference {ref_tokens}"
 
 
 def generate(model_dir, **options):

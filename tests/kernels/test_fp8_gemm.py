@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import batchgen.kernels.fp8_gemm as fp8_gemm_module
 from batchgen.kernels.fp8_gemm import (
     FP8,
     GROUP,
@@ -14,6 +15,7 @@ from batchgen.kernels.fp8_gemm import (
     quantize_ref,
     quantize_weight_ref,
 )
+from batchgen.kernels.rmsnorm import add_rmsnorm_fp8, add_rmsnorm_fp8_ref, add_rmsnorm_triton, rmsnorm_triton
 from tests.kernels.conftest import HAS_CUDA, INTERPRET
 
 
@@ -46,6 +48,45 @@ def test_quantize_per_token_and_group(device, rows, cols, silu_mul, group):
     assert s.shape == s_ref.shape == (rows, 1 if group is None else -(-cols // group))
     torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
     _assert_same_rounding(q.cpu(), q_ref)
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_rows_longer_than_the_registers_hold(device, monkeypatch, silu_mul, static):
+    """Rows past ROW_IN_REGISTERS are read twice (amax, then the values): the same rounding as one pass."""
+    monkeypatch.setattr(fp8_gemm_module, "ROW_IN_REGISTERS", 64)
+    cols = 300
+    x = _x((3, 2 * cols if silu_mul else cols), device, seed=1)
+    scale = torch.tensor(0.02, device=device) if static else None
+    q, s = quantize(x, scale, silu_mul=silu_mul)
+    q_ref, s_ref = quantize_ref(x.cpu(), None if scale is None else scale.cpu(), silu_mul=silu_mul)
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
+    _assert_same_rounding(q.cpu(), q_ref)
+
+
+@pytest.mark.parametrize("tokens,hidden", [(1, 64), (5, 300)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_rounds_rows_as_quantize_does(device, tokens, hidden, with_residual):
+    """add_rmsnorm_fp8 (the norm's kernel rounding its output) gives the bits of the norm's 16-bit output
+    rounded by quantize, and the reference's rounding."""
+    x = _x((tokens, hidden), device, torch.bfloat16, seed=2)
+    residual = _x((tokens, hidden), device, torch.bfloat16, seed=3) if with_residual else None
+    weight = (1 + _x((hidden,), device, seed=4) / 10).to(torch.bfloat16)
+    q, s, new_residual = add_rmsnorm_fp8(x, residual, weight, 1e-5)
+    if residual is None:
+        y, want_residual = rmsnorm_triton(x, weight, 1e-5), x
+    else:
+        y, want_residual = add_rmsnorm_triton(x, residual, weight, 1e-5)
+    q_unfused, s_unfused = quantize(y)
+    assert q.dtype == FP8 and s.shape == (tokens, 1)
+    if HAS_CUDA:  # (the interpreter rounds some casts to bf16 by truncation, not always alike: no bits there)
+        assert torch.equal(q.view(torch.uint8), q_unfused.view(torch.uint8)) and torch.equal(s, s_unfused)
+        assert torch.equal(new_residual, want_residual)
+    q_ref, s_ref, residual_ref = add_rmsnorm_fp8_ref(x.cpu(), None if residual is None else residual.cpu(),
+                                                     weight.cpu(), 1e-5)
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-2, atol=0)  # (the norms' own roundings differ)
+    torch.testing.assert_close(q.cpu().float(), q_ref.float(), rtol=0.13, atol=2**-6)
+    torch.testing.assert_close(new_residual.cpu(), residual_ref, rtol=1.6e-2, atol=1.6e-2)
 
 
 def test_quantize_static_scale(device):
