@@ -27,6 +27,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # a row of zeros still gets a scale above 0 (no 0 / 0)
 GROUP = 128  # the block form's K group (and N block) of published checkpoints
+WIDE_N = 16384  # an MLP's gate/up, from the 1B shape up
 
 
 # ---- torch references (also the CPU path's rounding) -------------------------------------------
@@ -243,15 +244,20 @@ def _fp8_gemm_kernel(
 def pick_tile(M: int, N: int, K: int, blocks: bool, sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an [M, K] x [K, N] fp8 product (a fit of
     benchmarks/fp8_gemm.py --tune on an H200): up to 16 rows one row tile, as wide as still gives every
-    SM a program; then tiles of 64 x 64, and past 128 rows of 128 x 64 (64 x 64 for long rows); deeper
-    pipelines for long rows."""
+    SM a program; then 64 x 64 tiles (BLOCK_K 256) up to 128 rows or N = 2,048; past that 128 x 64, and
+    128 x 128 for wide products (an MLP's gate/up past 64 rows, N >= 6,144 past 128); deeper pipelines
+    for long rows. The block form (BLOCK_K = its group): 64 x 64, and 128 x 64 past 128 rows of K < 8,192."""
     stages = 5 if K >= 8192 else 3
     if M <= 16:
         block_n = next((n for n in (128, 64) if triton.cdiv(N, n) >= sms), 32)
         return 16, block_n, GROUP if blocks else 256, 4, stages
-    if M <= 128 or K >= 8192:
-        return 64, 64, GROUP if blocks else 256, 4, stages
-    return 128, 64, GROUP, 8, stages
+    if blocks:
+        return (64, 64, GROUP, 4, stages) if M <= 128 or K >= 8192 else (128, 64, GROUP, 8, stages)
+    if (M > 64 and N >= WIDE_N) or (M > 128 and N >= 6144):
+        return 128, 128, 128, 8, 5 if K >= 4096 else 3
+    if M <= 128 or N <= 2048:
+        return 64, 64, 256, 4, stages
+    return 128, 64, 128, 8, stages
 
 
 def fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -281,9 +287,9 @@ def fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scal
 
 
 def takes_scaled_mm(M: int, N: int, K: int) -> bool:
-    """Whether cuBLAS's row-wise scaled product beats the Triton tiles (H200, --tune): past 256 rows,
-    for large weights (8B-sized: N x K >= 2^24) past 128, and for wide products (an MLP's gate/up) past 64."""
-    return M > 256 or (M > 128 and N * K >= 1 << 24) or (M > 64 and N >= 16384)
+    """Whether cuBLAS's row-wise scaled product beats the Triton tiles (H200, --tune): past 256 rows, and
+    for a wide product of a large weight (an 8B-sized gate/up: N >= 16,384 and N x K >= 2^26) past 64."""
+    return M > 256 or (M > 64 and N >= WIDE_N and N * K >= 1 << 26)
 
 
 BLOCKWISE_MIN_ROWS = 16  # past this many rows the block form takes cuBLAS (its K permitting)

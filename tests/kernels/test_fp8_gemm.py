@@ -133,7 +133,8 @@ def test_fp8_gemm_matches_reference(device, rows, blocks):
         _assert_product_close(y.cpu(), fp8_linear_ref(x.cpu(), wq, ws, bias=bias.cpu()))
 
 
-@pytest.mark.parametrize("tile", [None, (16, 32, 256, 4, 3), (64, 64, 256, 4, 5), (128, 64, 128, 8, 3)])
+@pytest.mark.parametrize("tile", [None, (16, 32, 256, 4, 3), (64, 64, 256, 4, 5), (128, 64, 128, 8, 3),
+                                  (128, 128, 128, 8, 3)])
 def test_fp8_gemm_tiles_and_static_scale(device, tile):
     wq, ws = quantize_weight_ref(_x((96, 200), "cpu", seed=5))
     x = _x((20, 200), device, seed=6)
