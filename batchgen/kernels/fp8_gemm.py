@@ -11,7 +11,8 @@ Past a few rows, per-channel weights take cuBLAS's row-wise scaled product (torc
 form its blockwise one (1x128 activation groups, 128x128 weight blocks: sm_90 with CUDA >= 12.9); below, and
 where cuBLAS cannot, a Triton kernel that applies each 128-column block's scales to its partial sum. The
 quantizing kernel may take an MLP's gate/up pair and round silu(gate) * up instead (the down projection's
-input). Group scales are stored M-major ([T, groups] with stride (1, T)), the layout cuBLAS reads.
+input); per-token rows that an add + RMSNorm makes come rounded by it (kernels/rmsnorm.add_rmsnorm_fp8),
+and fp8_product takes them. Group scales are stored M-major ([T, groups] with stride (1, T)), the layout cuBLAS reads.
 """
 from __future__ import annotations
 

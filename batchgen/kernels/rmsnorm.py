@@ -35,7 +35,7 @@ def _rmsnorm_kernel(
     out_stride_t,  # elements between two rows of out
     new_residual_ptr,  # [T, H] x + residual, written only when HAS_RESIDUAL
     new_residual_stride_t,  # elements between two rows of new_residual
-    scale_ptr,  # [T] fp32: each row's e4m3 scale (FP8_OUT)
+    scale_ptr,  # [T, 1] fp32: each row's e4m3 scale (FP8_OUT)
     hidden,  # H
     eps,  # float
     HAS_RESIDUAL: tl.constexpr,
