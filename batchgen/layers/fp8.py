@@ -65,7 +65,6 @@ class Fp8Form:
             return packed_linear(x, layer.packed, bias)
         return F.linear(x, layer.weight, bias)
 
-
     def takes_normed_rows(self, x: torch.Tensor) -> bool:
         """Whether the RMSNorm before this layer may hand it x's rows already rounded to e4m3
         (kernels/rmsnorm.add_rmsnorm_fp8, one launch for the norm and the rounding): on a GPU, for

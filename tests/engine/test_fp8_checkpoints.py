@@ -5,7 +5,7 @@ under TP=2; the KV-cache scales reach the attention layers; quantization configs
 implement, and FP8 weights whose scales it would not apply, are refused before a job starts. A difference
 in tokens is tolerated only after a step where the reference's top-2 logits were within TIE: a last-bit
 difference in an fp32 activation (another CPU's summation order) can move its e4m3 rounding by one step,
-1/16 of the value, which moves these tiny models' logits by a few 1e-3 (seen: 4.8e-3 on an Intel Xeon)."""
+1/16 of the value, which can move these tiny models' logits by a few 1e-3."""
 import json
 import random
 
