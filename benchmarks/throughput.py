@@ -166,7 +166,7 @@ def block_fp8_checkpoint(model_dir: Path) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from batchgen.kernels.fp8_gemm import quantize_weight_ref
+    from batchgen.kernels.e4m3 import quantize_weight_ref
     from tests.fp8_checkpoints import quantization_config
 
     path = model_dir.parent / f"{model_dir.name}-fp8-block"

@@ -7,9 +7,12 @@ Activations are rounded to e4m3 before the product, with one scale per token (dy
     y[t, n] = sum_k q[t, k] * W[n, k] * s[t] * ws[n]                    (per-channel weight scale ws)
     y[t, n] = sum_g s[t, g] * ws[n // 128, g] * sum_{k in g} q[t, k] * W[n, k]    (128x128 blocks)
 
-Past a few rows, per-channel weights take cuBLAS's row-wise scaled product (torch._scaled_mm) and the block
-form its blockwise one (1x128 activation groups, 128x128 weight blocks: sm_90 with CUDA >= 12.9); below, and
-where cuBLAS cannot, a Triton kernel that applies each 128-column block's scales to its partial sum. The
+Up to 256 rows, per-channel weights take Triton tiles: on Hopper tile_gemm's TMA kernel with the scales in
+its epilogue (o and down in split-K parts that the norm after them sums; tma_tile), else a pointer-based
+kernel; past that (and for an 8B-sized gate/up at 65-128 rows) cuBLAS's row-wise scaled product
+(torch._scaled_mm). The block form takes cuBLAS's blockwise product past a few rows (1x128 activation
+groups, 128x128 weight blocks: sm_90 with CUDA >= 12.9); below, and where cuBLAS cannot, the pointer kernel
+applies each 128-column block's scales to its partial sum. The
 quantizing kernel may take an MLP's gate/up pair and round silu(gate) * up instead (the down projection's
 input); per-token rows that an add + RMSNorm makes come rounded by it (kernels/rmsnorm.add_rmsnorm_fp8),
 and fp8_product takes them. Group scales are stored M-major ([T, groups] with stride (1, T)), the layout cuBLAS reads.
@@ -23,55 +26,14 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.device import num_sms
+from batchgen.kernels.e4m3 import FP8, FP8_MAX, GROUP, MIN_AMAX, dequantize_weight_ref, round_ref
+from batchgen.kernels.skinny_gemm import tma_ok
+from batchgen.kernels.tile_gemm import Tile, tile_gemm_supported, tile_gemm_triton
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-MIN_AMAX = 1e-12  # a row of zeros still gets a scale above 0 (no 0 / 0)
-GROUP = 128  # the block form's K group (and N block) of published checkpoints
 WIDE_N = 16384  # an MLP's gate/up, from the 1B shape up
 
 
-# ---- torch references (also the CPU path's rounding) -------------------------------------------
-
-def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.float().chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
-
-
-def quantize_ref(x: torch.Tensor, scale: torch.Tensor | None = None, group: int | None = None,
-                 silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (q [T, K] e4m3, scales fp32): per token [T, 1] (scale None, group None), per group of
-    `group` columns [T, ceil(K / group)], or the static scale given (returned as is). silu_mul: x is a
-    gate/up pair [T, 2K] and silu(gate) * up is rounded."""
-    x = silu_mul_ref(x) if silu_mul else x.float()
-    if scale is not None:
-        return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-    T, K = x.shape
-    g = group or K
-    pad = (-K) % g
-    xg = torch.nn.functional.pad(x, (0, pad)).view(T, -1, g)
-    s = xg.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX  # [T, groups]
-    q = (xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(T, -1)[:, :K]
-    return q, s
-
-
-def round_ref(x: torch.Tensor, scale: torch.Tensor | None = None, group: int | None = None,
-              silu_mul: bool = False) -> torch.Tensor:
-    """x rounded to e4m3 as quantize_ref rounds it, and scaled back: fp32 [T, K] (the CPU's products
-    take their activations this way)."""
-    q, s = quantize_ref(x, scale, group, silu_mul)
-    if s.dim() == 2 and s.shape[1] > 1:  # per group: each scale over its group's columns
-        s = s.repeat_interleave(group, dim=1)[:, : q.shape[1]]
-    return q.float() * s
-
-
-def dequantize_weight_ref(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 W [N, K] times its scales, fp32: per output channel [N], or per 128x128 block [N/128, K/128]."""
-    if weight_scale.dim() == 1:
-        return weight.float() * weight_scale.float()[:, None]
-    ws = weight_scale.float().repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)
-    return weight.float() * ws[: weight.shape[0], : weight.shape[1]]
-
+# ---- torch reference -----------------------------------------------------------------------------
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
@@ -83,21 +45,6 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype)
-
-
-def quantize_weight_ref(weight: torch.Tensor, block: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] -> (e4m3 [N, K], scale fp32): per output channel [N], or per 128x128 block [N/128, K/128]
-    (rounded up), scale = amax / 448 (the published forms' and vLLM's)."""
-    w = weight.float()
-    if not block:
-        s = w.abs().amax(dim=1).clamp(min=MIN_AMAX) / FP8_MAX
-        return (w / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
-    N, K = w.shape
-    pn, pk = (-N) % GROUP, (-K) % GROUP
-    wb = torch.nn.functional.pad(w, (0, pk, 0, pn)).view((N + pn) // GROUP, GROUP, (K + pk) // GROUP, GROUP)
-    s = wb.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX
-    q = (wb / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(N + pn, K + pk)[:N, :K]
-    return q.contiguous(), s
 
 
 # ---- Triton -------------------------------------------------------------------------------------
@@ -287,6 +234,33 @@ def fp8_gemm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scal
     return y
 
 
+TMA_MAX_ROWS = 256  # past this cuBLAS's row-wise product serves every per-channel product
+
+
+def tma_tile(M: int, N: int, K: int, parts_ok: bool, sms: int) -> Tile | None:
+    """The tile of tile_gemm's TMA kernel for a per-channel fp8 product where it beats cuBLAS and the pointer
+    kernel (benchmarks/fp8_gemm.py --tma on an H200), else None: o and down (N <= K) whose caller sums split-K
+    parts (parts_ok) at up to 256 rows, K in the most parts (4, 2) that keep the grid within one program an SM
+    (two for 16-row tiles); an MLP's gate/up (N >= WIDE_N) past 128 rows in 128 x 256 tiles; qkv-like
+    products at 33 to 128 rows."""
+    if not 0 < M <= TMA_MAX_ROWS:
+        return None
+    if N <= K and parts_ok:
+        bm, bn, bk, stages, warps = ((16, 64, 256, 3, 4) if M <= 16 else (64, 64, 256, 5, 4) if M <= 64
+                                     else (128, 128, 128, 5, 8))
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        budget = (2 if bm == 16 else 1) * sms
+        split = next((s for s in (4, 2) if K % (s * bk) == 0 and tiles * s <= budget), 1)
+        tile = (bm, bn, bk, stages, warps, split)
+    elif N >= WIDE_N:
+        tile = (128, 256, 128, 3, 8, 1) if M > 128 else None
+    elif N > K and 32 < M <= 128:
+        tile = (64, 64, 256, 5, 4, 1) if M <= 64 else (128, 64, 128, 5, 4, 1)
+    else:
+        tile = None
+    return tile if tile is not None and K % tile[2] == 0 else None
+
+
 def takes_scaled_mm(M: int, N: int, K: int) -> bool:
     """Whether cuBLAS's row-wise scaled product beats the Triton tiles (H200, --tune): past 256 rows, and
     for a wide product of a large weight (an 8B-sized gate/up: N >= 16,384 and N x K >= 2^26) past 64."""
@@ -341,10 +315,11 @@ def _blockwise_scaled_mm(q, s, weight, weight_scale, bias, out_dtype):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None, silu_mul: bool = False) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, silu_mul: bool = False, parts_ok: bool = False) -> torch.Tensor:
     """x [T, K] (or a gate/up pair [T, 2K] with silu_mul) @ W^T -> [T, N] in out_dtype (x's dtype).
     weight_scale: [N] per output channel, or [ceil(N/128), ceil(K/128)] blocks; input_scale: a static
-    per-tensor scale (0-dim), or None for dynamic rounding (per token; per 128-group for blocks)."""
+    per-tensor scale (0-dim), or None for dynamic rounding (per token; per 128-group for blocks).
+    parts_ok: the caller sums split-K parts, which may come back instead (fp32 [S, T, N], fp8_product)."""
     out_dtype = out_dtype or x.dtype
     block = weight_scale.dim() == 2
     if not x.is_cuda:
@@ -356,16 +331,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     q, s = quantize(x, input_scale, group, silu_mul, pad_rows=-M % 4 if blockwise else 0)
     if blockwise:
         return _blockwise_scaled_mm(q, s, weight, weight_scale, bias, out_dtype)[:M]
-    return fp8_product(q, s, weight, weight_scale, input_scale, bias, out_dtype)
+    return fp8_product(q, s, weight, weight_scale, input_scale, bias, out_dtype, parts_ok)
 
 
 def fp8_product(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                input_scale: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+                input_scale: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                parts_ok: bool = False) -> torch.Tensor:
     """fp8_linear's product of activations already rounded (q [M, K] e4m3 on a GPU with their scales s:
-    per row [M, 1], or input_scale when static), except cuBLAS's block form: cuBLAS's row-wise product
-    where it beats the Triton tiles, else the tiles."""
+    per row [M, 1], or input_scale when static), except cuBLAS's block form: tile_gemm's TMA kernel where
+    tma_tile has a tile (with parts_ok, o and down may come back as fp32 split-K parts [S, M, N]), else
+    cuBLAS's row-wise product where it beats the pointer kernel, else that kernel."""
     M, K = q.shape
     N = weight.shape[0]
+    tile = (tma_tile(M, N, K, parts_ok and bias is None, num_sms(q.device))
+            if weight_scale.dim() == 1 and tile_gemm_supported(q.device) and tma_ok(q) and tma_ok(weight) else None)
+    if tile is not None:
+        rows = s if s.numel() > 1 else s.reshape(1, 1).expand(M, 1)  # (a static scale: the same for every row)
+        return tile_gemm_triton(q, weight, parts_ok=tile[5] > 1, tile=tile, bias=bias, out_dtype=out_dtype,
+                                x_scale=rows, weight_scale=weight_scale)
     if weight_scale.dim() == 2 or not _scaled_mm_ok(q, weight) or not takes_scaled_mm(M, N, K):
         return fp8_gemm(q, s, weight, weight_scale, bias, out_dtype)
     if input_scale is not None:  # row-wise scales on both sides: the static scale repeated per row

@@ -60,6 +60,10 @@ def _tile_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     bias_ptr,  # [N] (HAS_BIAS)
     PDL: tl.constexpr,
+    SCALED: tl.constexpr = False,  # x and W in e4m3: y = (x W^T) * x_scale[row] * w_scale[col]
+    x_scale_ptr=None,  # [M] fp32, x_scale_stride apart (SCALED)
+    x_scale_stride=0,
+    w_scale_ptr=None,  # [N] fp32 (SCALED; a gate/up pair's up scales at N_OUT + col)
 ):
     pid_m = tl.program_id(0)  # (M tiles fastest: a W tile's second read, by the next M tile, hits the L2)
     pid_n = tl.program_id(1)
@@ -77,6 +81,11 @@ def _tile_gemm_kernel(
     mask = (rows < M)[:, None] & (cols < N_OUT)[None, :]
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * y_stride_m + cols[None, :]
     dtype = y_ptr.dtype.element_ty
+    if SCALED:  # (row scale times channel scale first, as kernels/fp8_gemm.py's pointer kernel applies them)
+        row_scale = tl.load(x_scale_ptr + rows * x_scale_stride, mask=rows < M, other=0.0)[:, None]
+        acc *= row_scale * tl.load(w_scale_ptr + cols, mask=cols < N_OUT, other=0.0)[None, :]
+        if SILU_MUL_OUT:
+            acc_up *= row_scale * tl.load(w_scale_ptr + N_OUT + cols, mask=cols < N_OUT, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N_OUT, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL_OUT:
@@ -219,18 +228,23 @@ def tile_gemm_triton(
     x: torch.Tensor, weight: torch.Tensor, silu_mul_out: bool = False, parts_ok: bool = False,
     tile: Tile | None = None, out: torch.Tensor | None = None, *, chunks: int = 1,
     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    x_scale: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] (into out when given), or with silu_mul_out
     silu(x Wg^T) * (x Wu^T) -> [M, N / 2] (weight = [Wg; Wu]), or where the tile splits K (parts_ok) the
     fp32 parts [SPLIT, M, N] whose sum is the product (out is then unused). tile: pick_tile's unless
     given. chunks > 1 (no split): K summed in that many slices, added in order (the module's docstring).
-    out_dtype: y's dtype (x's by default; fp32 for logits)."""
+    out_dtype: y's dtype (x's by default; fp32 for logits). x_scale [M, 1] and weight_scale [N] (fp32):
+    x and weight are e4m3 (kernels/fp8_gemm.py's per-token and per-channel form), y in out_dtype."""
     m, k = x.shape
     n = weight.shape[0]
     n_out = n // 2 if silu_mul_out else n
-    out_dtype = out_dtype or x.dtype
+    scaled = weight_scale is not None
+    out_dtype = out_dtype or (torch.bfloat16 if scaled else x.dtype)
     assert 0 < m and weight.shape[1] == k and x.dtype == weight.dtype
-    assert x.dtype in (torch.float16, torch.bfloat16), "16-bit only: the dots run in their default precision"
+    assert x.dtype in ((torch.float8_e4m3fn,) if scaled else (torch.float16, torch.bfloat16)), \
+        "16-bit, or e4m3 with scales: the dots run in their default precision"
+    assert not scaled or (x_scale is not None and x_scale.shape[0] == m and weight_scale.shape == (n,))
     assert tma_ok(x) and tma_ok(weight), "TMA needs 16-byte aligned, row-contiguous x and W"
     assert not silu_mul_out or n % 2 == 0
     bm, bn, bk, stages, warps, split = tile or pick_tile(m, n_out, k, silu_mul_out, parts_ok, _sm_count(x.device))
@@ -248,6 +262,8 @@ def tile_gemm_triton(
         parts, m, n_out, k // (split * chunks), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
         SILU_MUL_OUT=silu_mul_out, CHUNKS=chunks, HAS_BIAS=bias is not None,
         bias_ptr=bias if bias is not None else y, num_warps=warps, num_stages=stages, **pdl_launch_args(x.device),
+        **(dict(SCALED=True, x_scale_ptr=x_scale, x_scale_stride=x_scale.stride(0), w_scale_ptr=weight_scale)
+           if scaled else {}),
     )
     return y
 

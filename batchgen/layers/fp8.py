@@ -16,14 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.kernels import silu_and_mul
-from batchgen.kernels.fp8_gemm import (
-    blockwise_scaled_mm_ok,
-    dequantize_weight_ref,
-    fp8_linear,
-    fp8_product,
-    quantize_weight_ref,
-    round_ref,
-)
+from batchgen.kernels.e4m3 import dequantize_weight_ref, quantize_weight_ref, round_ref
+from batchgen.kernels.fp8_gemm import blockwise_scaled_mm_ok, fp8_linear, fp8_product
 from batchgen.layers.packed_linear import packed_linear
 
 E4M3 = torch.float8_e4m3fn
@@ -53,11 +47,14 @@ class Fp8Form:
     def __post_init__(self):
         assert self.weights in WEIGHT_FORMS and self.activations in ACTIVATION_FORMS, self
 
-    def product(self, layer, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
-        """layer's x [T, K] @ weight^T (+ bias) -> [T, N]; silu_mul: x is a gate/up pair [T, 2K]."""
+    def product(self, layer, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool,
+                parts_ok: bool = False) -> torch.Tensor:
+        """layer's x [T, K] @ weight^T (+ bias) -> [T, N]; silu_mul: x is a gate/up pair [T, 2K]. parts_ok:
+        the caller sums split-K parts, which a GPU's product of a 2-D x may return (fp32 [S, T, N])."""
         if x.is_cuda:  # (silu(gate) * up rounded in the same kernel)
-            return fp8_linear(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, layer.input_scale,
-                              bias, x.dtype, silu_mul).view(*x.shape[:-1], -1)
+            y = fp8_linear(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, layer.input_scale,
+                           bias, x.dtype, silu_mul, parts_ok and x.dim() == 2)
+            return y if y.dim() == 3 else y.view(*x.shape[:-1], -1)
         if silu_mul:
             x = silu_and_mul(x)
         x = round_activations(x, self.activations, layer.input_scale, self.block)
@@ -73,7 +70,8 @@ class Fp8Form:
 
     def product_of_rounded(self, layer, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None,
                            out_dtype: torch.dtype) -> torch.Tensor:
-        """product() of rows the norm rounded: q [T, K] e4m3 and their scales s [T, 1]."""
+        """product() of rows the norm rounded: q [T, K] e4m3 and their scales s [T, 1] (never parts: the
+        products after a norm are qkv and gate/up)."""
         return fp8_product(q, s, layer.weight, layer.weight_scale, None, bias, out_dtype)
 
 

@@ -4,7 +4,7 @@ from torch import nn
 from batchgen.kernels import add_rmsnorm, rmsnorm
 from batchgen.kernels.rmsnorm import add_rmsnorm_fp8
 from batchgen.kernels.skinny_gemm import normed_skinny_gemm, uses_tma
-from batchgen.layers.linear import DeferredSum
+from batchgen.layers.linear import DeferredSum, SplitParts
 from batchgen.layers.packed_linear import PackableWeight
 
 
@@ -33,13 +33,16 @@ def normed_product(
     """(linear(norm(x + residual)), x + residual), or without a residual (linear(norm(x)), x). One
     launch where the product streams its weight with plain loads (one row on a GPU: the skinny kernel
     applies the norm as it reads x); an FP8 product with per-token activations gets its rows rounded by
-    the norm's kernel; the norm's kernel, then the product, elsewhere (also for a
-    row-parallel product's DeferredSum, which the norm sums, unless it is one fp32 part, and a
-    weight read through TMA: kernels/skinny_gemm.py says why)."""
+    the norm's kernel (which also sums split-K parts); the norm's kernel, then the product, elsewhere
+    (also for a row-parallel product's DeferredSum, which the norm sums, unless it is one fp32 part, and
+    a weight read through TMA: kernels/skinny_gemm.py says why)."""
     # (the loader gives every weight the model's dtype: the skinny kernel asserts it)
-    if linear.fp8 is not None and not isinstance(x, DeferredSum) and linear.fp8.takes_normed_rows(x):
-        q, s, residual = add_rmsnorm_fp8(x, residual, norm.weight, norm.eps)  # (the norm rounds to e4m3)
-        return linear.fp8.product_of_rounded(linear, q, s, linear.bias, x.dtype), residual
+    parts = x.parts if isinstance(x, SplitParts) and residual is not None else None
+    rows = x if parts is None else parts
+    if linear.fp8 is not None and not isinstance(rows, DeferredSum) and linear.fp8.takes_normed_rows(rows):
+        # (the norm rounds to e4m3)
+        q, s, residual = add_rmsnorm_fp8(None if parts is not None else x, residual, norm.weight, norm.eps, parts)
+        return linear.fp8.product_of_rounded(linear, q, s, linear.bias, residual.dtype), residual
     summed = x.single_part() if isinstance(x, DeferredSum) else x  # (an fp32 sum in one part: as it is)
     row = summed if residual is None else residual  # (16-bit, where summed may be fp32)
     if summed is not None and linear.streams(row) and not uses_tma(row, linear.weight):

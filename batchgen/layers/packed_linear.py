@@ -105,8 +105,8 @@ class PackableWeight:
         pair [T, out]. parts_ok: the caller sums split-K parts, which the tile kernel may return instead,
         fp32 [S, T, out]. out [T, out]: where the GPU's product (no bias) is written, unless it comes
         in parts; the CPU's packed product returns a new tensor."""
-        if self.fp8 is not None:  # (the pair [T, out] for silu_mul_out, one part, a new tensor)
-            return self.fp8.product(self, x, bias, silu_mul)
+        if self.fp8 is not None:  # (the pair [T, out] for silu_mul_out, a new tensor)
+            return self.fp8.product(self, x, bias, silu_mul, parts_ok)
         if self.batch_invariant and x.is_cuda:
             return self.invariant_product(x, bias, silu_mul, out, parts_ok, silu_mul_out)
         if self.streams(x):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen import LLM, SamplingParams
-from batchgen.kernels.fp8_gemm import dequantize_weight_ref
+from batchgen.kernels.e4m3 import dequantize_weight_ref
 from batchgen.layers.fp8 import E4M3, round_activations
 from tests.fp8_checkpoints import FORMS, checkpoint_maker, reference_model
 from tests.tiny_models import VOCAB

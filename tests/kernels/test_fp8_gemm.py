@@ -3,19 +3,25 @@ import pytest
 import torch
 
 import batchgen.kernels.fp8_gemm as fp8_gemm_module
+from batchgen.kernels.e4m3 import FP8, GROUP, dequantize_weight_ref, quantize_ref, quantize_weight_ref
 from batchgen.kernels.fp8_gemm import (
-    FP8,
-    GROUP,
+    TMA_MAX_ROWS,
     blockwise_scaled_mm_ok,
-    dequantize_weight_ref,
     fp8_gemm,
     fp8_linear,
     fp8_linear_ref,
+    fp8_product,
     quantize,
-    quantize_ref,
-    quantize_weight_ref,
+    tma_tile,
 )
-from batchgen.kernels.rmsnorm import add_rmsnorm_fp8, add_rmsnorm_fp8_ref, add_rmsnorm_triton, rmsnorm_triton
+from batchgen.kernels.rmsnorm import (
+    add_rmsnorm_fp8,
+    add_rmsnorm_fp8_ref,
+    add_rmsnorm_parts_triton,
+    add_rmsnorm_triton,
+    rmsnorm_triton,
+)
+from batchgen.kernels.tile_gemm import tile_gemm_supported
 from tests.kernels.conftest import HAS_CUDA, INTERPRET
 
 
@@ -85,6 +91,26 @@ def test_norm_rounds_rows_as_quantize_does(device, tokens, hidden, with_residual
     q_ref, s_ref, residual_ref = add_rmsnorm_fp8_ref(x.cpu(), None if residual is None else residual.cpu(),
                                                      weight.cpu(), 1e-5)
     torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-2, atol=0)  # (the norms' own roundings differ)
+    torch.testing.assert_close(q.cpu().float(), q_ref.float(), rtol=0.13, atol=2**-6)
+    torch.testing.assert_close(new_residual.cpu(), residual_ref, rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.parametrize("tokens,hidden,num_parts", [(1, 64, 2), (5, 300, 4)])
+def test_norm_sums_split_parts_then_rounds(device, tokens, hidden, num_parts):
+    """add_rmsnorm_fp8 of split-K parts (an fp8 o or down's output) rounds the norm of their sum: the bits
+    of add_rmsnorm_parts then quantize on a GPU, the reference's rounding anywhere."""
+    parts = _x((num_parts, tokens, hidden), device, seed=5)
+    residual = _x((tokens, hidden), device, torch.bfloat16, seed=6)
+    weight = (1 + _x((hidden,), device, seed=7) / 10).to(torch.bfloat16)
+    q, s, new_residual = add_rmsnorm_fp8(None, residual, weight, 1e-5, parts)
+    assert q.dtype == FP8 and s.shape == (tokens, 1)
+    if HAS_CUDA:
+        y, want_residual = add_rmsnorm_parts_triton(parts, residual, weight, 1e-5)
+        q_unfused, s_unfused = quantize(y)
+        assert torch.equal(q.view(torch.uint8), q_unfused.view(torch.uint8)) and torch.equal(s, s_unfused)
+        assert torch.equal(new_residual, want_residual)
+    q_ref, s_ref, residual_ref = add_rmsnorm_fp8_ref(None, residual.cpu(), weight.cpu(), 1e-5, parts.cpu())
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-2, atol=0)
     torch.testing.assert_close(q.cpu().float(), q_ref.float(), rtol=0.13, atol=2**-6)
     torch.testing.assert_close(new_residual.cpu(), residual_ref, rtol=1.6e-2, atol=1.6e-2)
 
@@ -160,6 +186,44 @@ def test_block_form_through_cublas_matches_reference(rows, k):
     q, s = quantize(x, group=GROUP)
     x_rounded = q.float().cpu() * s.cpu().repeat_interleave(GROUP, dim=1)[:, :k]
     _assert_product_close(y.cpu(), x_rounded @ dequantize_weight_ref(wq, ws).t() + bias.cpu())
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 64, 65, 128, 129, 256, 257])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (2048, 8192), (6144, 4096), (28672, 4096),
+                                 (896, 896), (4096, 4000)])
+def test_tma_tiles_fit_their_product(rows, n, k):
+    """Every tile tma_tile gives sums whole K steps in whole parts, keeps a split grid within its program
+    budget, and splits only where the caller sums parts; none past TMA_MAX_ROWS rows."""
+    sms = 132
+    for parts_ok in (False, True):
+        tile = tma_tile(rows, n, k, parts_ok, sms)
+        if tile is None:
+            continue
+        bm, bn, bk, stages, warps, split = tile
+        assert rows <= TMA_MAX_ROWS and k % (bk * split) == 0
+        assert split == 1 or (parts_ok and n <= k)
+        tiles = -(-rows // bm) * -(-n // bn)
+        assert split == 1 or tiles * split <= (2 if bm == 16 else 1) * sms
+    assert tma_tile(TMA_MAX_ROWS + 1, n, k, True, sms) is None and tma_tile(0, n, k, True, sms) is None
+
+
+@pytest.mark.skipif(not (HAS_CUDA and tile_gemm_supported(torch.device("cuda"))), reason="TMA tiles: Hopper")
+@pytest.mark.parametrize("rows", [1, 13, 40, 100, 200])
+@pytest.mark.parametrize("n,k,parts_ok", [(512, 1024, True), (16384, 256, False), (768, 512, False)])
+@pytest.mark.parametrize("static", [False, True])
+def test_tma_form_matches_reference(rows, n, k, parts_ok, static):
+    """fp8_product through tile_gemm's TMA kernel (split-K parts for o/down-like products, 128 x 256 tiles
+    for a wide gate/up, qkv-like products) against the fp32 definition, with a static scale too."""
+    wq, ws = quantize_weight_ref(_x((n, k), "cpu", seed=10))
+    x = _x((rows, k), "cuda", dtype=torch.bfloat16, seed=11)
+    scale = torch.tensor(0.05, device="cuda") if static else None
+    q, s = quantize(x, scale)
+    y = fp8_product(q, s, wq.cuda(), ws.cuda(), scale, None, torch.float32, parts_ok)
+    if y.dim() == 3:
+        assert parts_ok and y.shape[1:] == (rows, n)
+        y = y.sum(0)
+    s_rows = s.expand(rows, 1) if static else s
+    _assert_product_close(y.cpu(), (q.float() * s_rows).cpu() @ dequantize_weight_ref(wq, ws).t())
 
 
 def test_fp8_linear_reference_is_the_cpu_path():
