@@ -47,7 +47,23 @@ GROUP_M = tl.constexpr(8)  # blocks whose column tiles run together (_program_ti
 
 # (GPU name, H, I, E, k) -> {T: config}: block sizes timed best by benchmarks/fused_moe.py --tune; a
 # batch of T tokens takes the entry of the nearest tuned T at or above it (else the largest)
-TUNED: dict[tuple[str, int, int, int, int], dict[int, MoeConfig]] = {}
+TUNED: dict[tuple[str, int, int, int, int], dict[int, MoeConfig]] = {
+    # qwen3-30b-a3b (H 2048, I 768, E 128, k 8); MoeConfig(block_m, gate_up (BLOCK_N, BLOCK_K, warps, stages), down)
+    ("NVIDIA H200", 2048, 768, 128, 8): {
+        1: MoeConfig(16, GemmTile(64, 128, 4, 4), GemmTile(128, 128, 4, 3)),
+        8: MoeConfig(16, GemmTile(32, 128, 4, 3), GemmTile(64, 128, 4, 3)),
+        16: MoeConfig(16, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        32: MoeConfig(16, GemmTile(32, 128, 4, 4), GemmTile(128, 128, 4, 3)),
+        64: MoeConfig(16, GemmTile(32, 128, 4, 4), GemmTile(128, 128, 4, 3)),
+        128: MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        256: MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 64, 4, 3)),
+        512: MoeConfig(64, GemmTile(64, 64, 4, 3), GemmTile(128, 64, 4, 4)),
+        1024: MoeConfig(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 3)),
+        2048: MoeConfig(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 3)),
+        4096: MoeConfig(128, GemmTile(128, 64, 8, 3), GemmTile(128, 64, 8, 3)),
+        8192: MoeConfig(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 4, 3)),
+    },
+}
 
 
 def default_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
