@@ -72,15 +72,16 @@ def quantization_config(form: str) -> dict:
     raise ValueError(form)
 
 
-def build_base(path: Path) -> Path:
-    """A tiny fp32 Llama whose q/k/v and gate/up shards are whole 128-row blocks and whose hidden size
-    (192) is not a multiple of 128; an untied LM head."""
+def build_base(path: Path, hidden: int = 192, intermediate: int = 384, heads: int = 4, head_dim: int = 32) -> Path:
+    """A tiny fp32 Llama (as many KV heads as heads) whose q/k/v and gate/up shards are, at the default
+    sizes, whole 128-row blocks and whose hidden size (192) is not a multiple of 128; an untied LM head."""
     import transformers as tf
 
     torch.manual_seed(5)
     config = tf.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=192, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=EOS,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
+        max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=EOS,
         bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
     )
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

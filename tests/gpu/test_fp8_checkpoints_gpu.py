@@ -11,8 +11,12 @@ import torch.nn.functional as F
 
 from batchgen import LLM, SamplingParams
 from batchgen.kernels.e4m3 import dequantize_weight_ref
+from batchgen.kernels.fp8_gemm import tma_tile
+from batchgen.kernels.rmsnorm import add_rmsnorm_fp8
+from batchgen.kernels.tile_gemm import tile_gemm_supported
+from batchgen.layers import layernorm
 from batchgen.layers.fp8 import E4M3, round_activations
-from tests.fp8_checkpoints import FORMS, checkpoint_maker, reference_model
+from tests.fp8_checkpoints import FORMS, build_base, checkpoint_maker, reference_model
 from tests.tiny_models import VOCAB
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -55,6 +59,23 @@ def test_fp8_products_on_cuda_round_as_the_cpu_path(form, checkpoints):
                 torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
 
 
+def mean_prompt_logprob_error(model_dir, options, reference, tp: int = 1) -> float:
+    """Mean |prompt log-probability - the reference model's| over four prompts run as one job."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (40, 64, 23, 200)]
+    with LLM(str(model_dir), dtype="bfloat16", device="cuda", tensor_parallel_size=tp, **options) as llm:
+        rows = [{"prompt_token_ids": p, "prompt_logprobs": True} for p in prompts]
+        results = llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=16))
+    assert all(r["finish_reason"] in ("length", "stop") for r in results)
+    errors = []
+    for p, r in zip(prompts, results):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            want = reference(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        errors.append((torch.tensor(r["prompt_logprobs"]) - want).abs())
+    return float(torch.cat(errors).mean())
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("form", ["channel-dynamic", "tensor-static", "block", "quantize-at-load"])
 def test_fp8_job_stays_near_the_float32_reference(form, tp, checkpoints):
@@ -63,20 +84,28 @@ def test_fp8_job_stays_near_the_float32_reference(form, tp, checkpoints):
     if form == "block" and tp == 2:
         pytest.skip("the tiny model's q shard under TP=2 cuts its 128-row blocks (refused)")
     model_dir, options = model_dir_and_options(form, checkpoints)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (40, 64, 23, 200)]
-    with LLM(str(model_dir), dtype="bfloat16", device="cuda", tensor_parallel_size=tp, **options) as llm:
-        rows = [{"prompt_token_ids": p, "prompt_logprobs": True} for p in prompts]
-        results = llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=16))
-    assert all(r["finish_reason"] in ("length", "stop") for r in results)
     reference = reference_model(checkpoints("base"), None if form == "quantize-at-load" else checkpoints(form),
                                 "channel-dynamic" if form == "quantize-at-load" else form)
-    errors = []
-    for p, r in zip(prompts, results):
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            want = reference(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
-        errors.append((torch.tensor(r["prompt_logprobs"]) - want).abs())
-    mean = float(torch.cat(errors).mean())
+    mean = mean_prompt_logprob_error(model_dir, options, reference, tp)
     print(f"{form} tp={tp}: mean |prompt logprob - fp32 reference| = {mean:.4f}")
     assert mean < 0.03  # bf16 activations: ~0.01 on CPU; unscaled or misplaced weights: units
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not tile_gemm_supported(torch.device("cuda")),
+                    reason="the TMA kernel's fp8 form: Hopper")
+def test_split_fp8_products_reach_the_norm_as_parts(tmp_path, monkeypatch):
+    """A model wide enough for the TMA kernel's split o and down (hidden 512, MLP 1,024), --quantization fp8:
+    their fp32 parts go to the add + RMSNorm that sums them and rounds its output, and the job's prompt
+    log-probabilities stay near the fp32 reference with the same quantization."""
+    assert tma_tile(4, 512, 512, True, 132)[5] > 1 and tma_tile(4, 512, 1024, True, 132)[5] > 1
+    base = build_base(tmp_path / "wide", hidden=512, intermediate=1024, heads=8, head_dim=64)
+    with_parts = []
+
+    def spy(x, residual, weight, eps, parts=None):
+        with_parts.append(parts is not None)
+        return add_rmsnorm_fp8(x, residual, weight, eps, parts)
+
+    monkeypatch.setattr(layernorm, "add_rmsnorm_fp8", spy)
+    mean = mean_prompt_logprob_error(base, {"quantization": "fp8"}, reference_model(base))
+    assert any(with_parts)  # (the decode steps' o and down)
+    assert mean < 0.03
