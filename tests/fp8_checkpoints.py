@@ -13,10 +13,13 @@ their scales and config.json's quantization_config laid out as the published one
 The base model's dims suit 128-blocks and also have dims that are not multiples of 128 (hidden 192), as
 some published models do. `reference_model` is HF transformers' model of the base checkpoint with the
 same quantization applied: dequantized weights and each quantized Linear's input rounded to e4m3.
+`write_moe` writes a per-expert MoE checkpoint in the "block" and "channel-dynamic" forms (experts, attention
+and dense MLPs quantized; routers and lm_head not), and `moe_reference_model` is its HF reference.
 """
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -245,3 +248,63 @@ def greedy_reference(model, prompt: list[int], max_tokens: int) -> tuple[list[in
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     margins = [float(v[0] - v[1]) for v in (logits[0].topk(2).values for logits in out.logits)]
     return out.sequences[0, len(prompt):].tolist(), margins
+
+
+# --- a mixture-of-experts model's FP8 checkpoints --------------------------------------------------
+
+MOE_FORMS = ("block", "channel-dynamic")
+MOE_QUANTIZED = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)"
+                           r"\.weight$")
+
+
+def moe_quantization_config(form: str, routers: list[str]) -> dict:
+    """As published: Qwen's fp8 blocks leave lm_head and each layer's router (mlp.gate) alone by name;
+    compressed-tensors by a regex."""
+    if form == "block":
+        return {**QWEN3_FP8, "modules_to_not_convert": ["lm_head", *routers]}
+    return _compressed_tensors("channel", "token", ["lm_head", r"re:.*mlp\.gate$"], kv_cache=False)
+
+
+def write_moe(form: str, base: Path, path: Path, dequantized: Path) -> Path:
+    """base (a per-expert MoE checkpoint) in an FP8 form at path: attention, dense MLP and expert weights
+    in e4m3 with their scales, routers and lm_head as they are; and at `dequantized` the same weights
+    dequantized in fp32 without a quantization_config (the HF reference loads that)."""
+    for target in (path, dequantized):
+        shutil.copytree(base, target)
+        (target / "model.safetensors").unlink()
+    config = json.loads((base / "config.json").read_text())
+    tensors = load_file(base / "model.safetensors")
+    out, plain = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if not MOE_QUANTIZED.match(name):
+            continue
+        if form == "block":
+            q, grid = _block_quantize(w)
+            out[name], out[f"{name}_scale_inv"] = q, grid
+            plain[name] = q.float() * grid.repeat_interleave(BLOCK, 0)[: w.shape[0]].repeat_interleave(BLOCK, 1)[
+                :, : w.shape[1]]
+        else:
+            scale = w.abs().amax(dim=1, keepdim=True) / 448  # [N, 1]
+            out[name], out[f"{name}_scale"] = _to_e4m3(w, scale), scale
+            plain[name] = out[name].float() * scale
+    save_file({k: v.contiguous() for k, v in out.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in plain.items()}, dequantized / "model.safetensors",
+              metadata={"format": "pt"})
+    routers = sorted({n.removesuffix(".weight") for n in tensors if n.endswith(".mlp.gate.weight")})
+    config["quantization_config"] = moe_quantization_config(form, routers)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def moe_reference_model(dequantized: Path, form: str):
+    """HF's model of the dequantized weights, each dense quantized Linear's input rounded to e4m3 (per group
+    of 128 for blocks, else per token); the experts' inputs are not rounded (batchgen's experts run in the
+    model's dtype, their weights dequantized)."""
+    from tests.tiny_models import load_hf
+
+    model = load_hf(dequantized)
+    activations = "group" if form == "block" else "token"
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and MOE_QUANTIZED.match(f"{name}.weight"):
+            module.register_forward_pre_hook(lambda mod, args: (round_input(args[0], activations, None),))
+    return model

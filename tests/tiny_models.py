@@ -35,11 +35,12 @@ def save_tokenizer(path: Path) -> None:
 def build(kind: str, path: Path) -> Path:
     """kind: llama | llama3 (llama3 rope scaling, untied) | mistral | qwen2 | qwen3 | llama-sharded
     (llama saved in several safetensors files with an index) | qwen3-moe (layer 1 of 3 dense through
-    mlp_only_layers) | mixtral | qwen2-moe (a shared expert; layer 0 of 2 dense: decoder_sparse_step)."""
+    mlp_only_layers) | qwen3-moe-blocks (the same, its q/k/v and dense gate/up shards whole 128-row blocks, for
+    FP8 block checkpoints) | mixtral | qwen2-moe (a shared expert; layer 0 of 2 dense: decoder_sparse_step)."""
     import transformers as tf
 
     torch.manual_seed({"llama": 0, "llama3": 1, "qwen2": 2, "qwen3": 3, "mistral": 4, "llama-sharded": 0,
-                       "qwen3-moe": 5, "mixtral": 6, "qwen2-moe": 7}[kind])
+                       "qwen3-moe": 5, "qwen3-moe-blocks": 5, "mixtral": 6, "qwen2-moe": 7}[kind])
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=EOS,
@@ -59,9 +60,10 @@ def build(kind: str, path: Path) -> Path:
         config = tf.Qwen2Config(**common, tie_word_embeddings=False)
     elif kind == "qwen3":
         config = tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
-    elif kind == "qwen3-moe":
+    elif kind in ("qwen3-moe", "qwen3-moe-blocks"):
+        blocks = dict(num_key_value_heads=4, intermediate_size=256) if kind == "qwen3-moe-blocks" else {}
         config = tf.Qwen3MoeConfig(
-            **{**common, "num_hidden_layers": 3}, head_dim=32, tie_word_embeddings=False, num_experts=8,
+            **{**common, "num_hidden_layers": 3, **blocks}, head_dim=32, tie_word_embeddings=False, num_experts=8,
             num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1],
         )
     elif kind == "mixtral":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchgen.kernels.e4m3 import FP8, dequantize_weight_ref
 from batchgen.kernels.fused_moe import fused_moe, select_experts
 from batchgen.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
@@ -35,13 +36,31 @@ class FusedExperts(nn.Module):
         self.w2.weight_loader = self.weight_loader
         self.num_experts = num_experts
         self.loaded: set[str] = set()  # the shards weight_loader filled (a checkpoint may lack an expert)
+        self.pending: dict[str, dict[str, torch.Tensor]] | None = None  # (accept_fp8) shard -> weight / scale
+
+    def accept_fp8(self) -> None:
+        """An FP8 checkpoint's experts: each expert's e4m3 weight and its scale (per output channel, per
+        tensor or per 128x128 block; shard "gate:E:scale" and so on) are dequantized into the model's dtype
+        as both arrive, so the experts run in that dtype (the fused MoE has no fp8 form yet)."""
+        self.pending = {}
+        for param in (self.w13, self.w2):
+            param.takes_fp8 = True  # (the loader hands these their checkpoint tensors as they are)
 
     def _rank_slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
         return loaded.narrow(dim, self.tp.rank * self.inter, self.inter)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         """shard: "gate:E", "up:E", "down:E" (one expert's [I, H], [I, H], [H, I]), or "gate_up" / "down"
-        (all experts' [E, 2I, H] / [E, H, I])."""
+        (all experts' [E, 2I, H] / [E, H, I]); after accept_fp8 also an e4m3 weight and its scale
+        (the shard with ":scale"), in either order."""
+        if self.pending is not None and (shard.endswith(":scale") or loaded.dtype == FP8):
+            shard, kind = shard.removesuffix(":scale"), "scale" if shard.endswith(":scale") else "weight"
+            waiting = self.pending.setdefault(shard, {})
+            waiting[kind] = loaded
+            if len(waiting) < 2:
+                return
+            del self.pending[shard]
+            loaded = _dequantized(waiting["weight"], waiting["scale"])
         self.loaded.add(shard)
         part, _, expert = shard.partition(":")
         if part == "gate_up":
@@ -58,13 +77,29 @@ class FusedExperts(nn.Module):
             _fill(param.data[int(expert), offset:offset + self.inter], self._rank_slice(loaded, 0))
 
     def missing_weights(self) -> list[str]:
-        """The experts' weights no checkpoint tensor filled: "gate:E", "up:E", "down:E"."""
-        return [f"{part}:{e}" for e in range(self.num_experts) for part in ("gate", "up", "down")
-                if f"{part}:{e}" not in self.loaded and ("down" if part == "down" else "gate_up") not in self.loaded]
+        """The experts' weights no checkpoint tensor filled: "gate:E", "up:E", "down:E" (an fp8 one: with
+        its scale or its weight missing)."""
+        halves = [f"{shard} ({'its scale' if 'weight' in got else 'its e4m3 weight'} missing)"
+                  for shard, got in (self.pending or {}).items()]
+        return halves + [f"{part}:{e}" for e in range(self.num_experts) for part in ("gate", "up", "down")
+                         if f"{part}:{e}" not in self.loaded
+                         and ("down" if part == "down" else "gate_up") not in self.loaded
+                         and f"{part}:{e}" not in (self.pending or {})]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """-> this rank's partial sums [T, H]."""
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)  # (the torch reference on CPU)
+
+
+def _dequantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An e4m3 weight [N, K] times its scale, fp32: one per tensor, per output channel ([N] or [N, 1]), or
+    per 128x128 block ([ceil(N/128), ceil(K/128)])."""
+    scale = scale.float()
+    if scale.numel() == 1:
+        scale = scale.reshape(1).expand(weight.shape[0])
+    elif scale.numel() == weight.shape[0] and weight.shape[0] > 1:
+        scale = scale.reshape(-1)
+    return dequantize_weight_ref(weight, scale)
 
 
 def _fill(target: torch.Tensor, loaded: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from batchgen.layers.fp8 import Fp8Form, make_fp8
 from batchgen.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear
+from batchgen.layers.moe import FusedExperts
 from batchgen.layers.packed_linear import PackableWeight
 from batchgen.models.errors import UnsupportedModelError
 from batchgen.models.quantization import BLOCK, Fp8Scheme
@@ -38,15 +39,19 @@ def _check_blocks(layer, name: str) -> None:
 def apply_scheme(model, scheme: Fp8Scheme, packed_modules_mapping: dict) -> list:
     """Make each quantized linear layer of the decoder FP8 (layers/fp8.make_fp8), before loading; the
     LM head and embeddings stay as they are. -> the FP8 layers. A merged layer (q/k/v, gate/up) must
-    have all of its checkpoint modules quantized or none."""
+    have all of its checkpoint modules quantized or none. An MoE layer's quantized experts take their
+    e4m3 weights and scales and dequantize them (layers/moe.FusedExperts.accept_fp8)."""
     form = layer_form(scheme)
+    checkpoint_module = getattr(model, "checkpoint_module", lambda name: name)
     layers = []
     for name, module in model.named_modules():
+        if isinstance(module, FusedExperts) and scheme.quantizes(f"model.{checkpoint_module(name)}.0.gate_proj"):
+            module.accept_fp8()
         if not isinstance(module, PackableWeight) or module is model.lm_head:
             continue
         parent, ours = name.rsplit(".", 1)
         theirs = [t for t, (o, _) in packed_modules_mapping.items() if o == ours] or [ours]
-        quantized = {scheme.quantizes(f"model.{parent}.{t}") for t in theirs}
+        quantized = {scheme.quantizes(f"model.{checkpoint_module(parent)}.{t}") for t in theirs}
         if len(quantized) > 1:
             raise UnsupportedModelError(f"model.{parent}: the config quantizes some of {', '.join(theirs)} "
                                         f"but not all, which batchgen holds as one matrix")

@@ -72,7 +72,9 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                 param = params.get(ours)
                 if param is None:
                     raise ValueError(f"checkpoint weight {name!r} has no place in the model")
-                tensor = _fp8_checked(name, f.get_tensor(name), param).to(param.dtype)
+                tensor = f.get_tensor(name)
+                if not getattr(param, "takes_fp8", False):  # (FP8 experts dequantize their own: layers/moe.py)
+                    tensor = _fp8_checked(name, tensor, param).to(param.dtype)
                 loader = getattr(param, "weight_loader", None)
                 if loader is None:
                     param.data.copy_(tensor)
@@ -112,10 +114,15 @@ def _fp8_name(name: str) -> str:
 
 
 def _fp8_checked(name: str, tensor: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
-    """tensor, unless it is an fp8 weight for a layer the config leaves unquantized (it would run unscaled)."""
-    if tensor.is_floating_point() and tensor.element_size() == 1 and param.dtype != E4M3:
+    """tensor, unless it is an fp8 weight for a layer the config leaves unquantized, or a 16/32-bit one for a
+    layer it quantizes (either would run unscaled)."""
+    fp8 = tensor.is_floating_point() and tensor.element_size() == 1
+    if fp8 and param.dtype != E4M3:
         raise ValueError(f"checkpoint weight {name!r} is fp8 but its config.json's quantization_config does not "
                          f"quantize that layer (see its ignore list)")
+    if param.dtype == E4M3 and not fp8:
+        raise ValueError(f"checkpoint weight {name!r} is {tensor.dtype} but its config.json's quantization_config "
+                         f"quantizes that layer (see its ignore list)")
     return tensor
 
 

@@ -24,7 +24,8 @@ from batchgen.parallel.tensor_parallel import TensorParallel
 # one expert's weights in a checkpoint (Qwen: mlp.experts.E.{gate,up,down}_proj; Mixtral:
 # block_sparse_moe.experts.E.{w1,w3,w2}), and transformers 5's fused experts (mlp.experts.gate_up_proj
 # [E, 2I, H], mlp.experts.down_proj [E, H, I])
-EXPERT_WEIGHT = re.compile(r"^(?P<layer>layers\.\d+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+EXPERT_WEIGHT = re.compile(
+    r"^(?P<layer>layers\.\d+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|weight_scale)$")
 FUSED_EXPERTS = re.compile(r"^(?P<layer>layers\.\d+)\.mlp\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 EXPERT_PROJ = {"gate_proj": ("w13", "gate"), "up_proj": ("w13", "up"), "down_proj": ("w2", "down"),
                "w1": ("w13", "gate"), "w3": ("w13", "up"), "w2": ("w2", "down")}
@@ -58,15 +59,20 @@ class MoeForCausalLM(LlamaForCausalLM):
         (the loader's packed_modules_mapping then names it). Mixtral's block_sparse_moe is our mlp."""
         name = name.replace(".block_sparse_moe.", ".mlp.")
         if m := EXPERT_WEIGHT.match(name):
-            if m["proj"] in EXPERT_PROJ:
+            if m["proj"] in EXPERT_PROJ:  # (an FP8 checkpoint's scale: the shard with ":scale")
                 ours, part = EXPERT_PROJ[m["proj"]]
-                return f"{m['layer']}.mlp.experts.{ours}", f"{part}:{m['expert']}"
+                scale = ":scale" if m["kind"] == "weight_scale" else ""
+                return f"{m['layer']}.mlp.experts.{ours}", f"{part}:{m['expert']}{scale}"
         if m := FUSED_EXPERTS.match(name):
             ours, part = ("w13", "gate_up") if m["proj"] == "gate_up_proj" else ("w2", "down")
             return f"{m['layer']}.mlp.experts.{ours}", part
         if ".mlp.gate.weight" in name:  # Mixtral's router
             return name, None
         return None
+
+    def checkpoint_module(self, name: str) -> str:
+        """The checkpoint's name (without "model.") of our module name: Mixtral's mlp is block_sparse_moe."""
+        return name.replace(".mlp.", ".block_sparse_moe.") if self.cfg.architecture == "MixtralForCausalLM" else name
 
     def use_one_row_mlps(self, device: torch.device, tp_size: int) -> None:
         """The one-launch MLP of a one-row decode is for dense MLPs, each in a ring with the next layer's

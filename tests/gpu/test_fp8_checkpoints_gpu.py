@@ -2,7 +2,8 @@
 keep their fp8 weights and scales on the device, and each FP8 layer's product (kernels/fp8_gemm.fp8_linear)
 equals the CPU path's rounding (layers/fp8.py: activations rounded to e4m3 with the same scales, in fp32)
 up to bf16 output rounding, at 1 to 300 rows; a job runs through the CUDA graphs (no one-row MLP) and its
-prompt log-probabilities stay near the float32 HF reference with the same quantization."""
+prompt log-probabilities stay near the float32 HF reference with the same quantization; so do a model whose
+o and down split K in parts, and a mixture of experts' FP8 checkpoints."""
 import random
 
 import pytest
@@ -16,8 +17,16 @@ from batchgen.kernels.rmsnorm import add_rmsnorm_fp8
 from batchgen.kernels.tile_gemm import tile_gemm_supported
 from batchgen.layers import layernorm
 from batchgen.layers.fp8 import E4M3, round_activations
-from tests.fp8_checkpoints import FORMS, build_base, checkpoint_maker, reference_model
-from tests.tiny_models import VOCAB
+from tests.fp8_checkpoints import (
+    FORMS,
+    MOE_FORMS,
+    build_base,
+    checkpoint_maker,
+    moe_reference_model,
+    reference_model,
+    write_moe,
+)
+from tests.tiny_models import VOCAB, build
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -108,4 +117,15 @@ def test_split_fp8_products_reach_the_norm_as_parts(tmp_path, monkeypatch):
     monkeypatch.setattr(layernorm, "add_rmsnorm_fp8", spy)
     mean = mean_prompt_logprob_error(base, {"quantization": "fp8"}, reference_model(base))
     assert any(with_parts)  # (the decode steps' o and down)
+    assert mean < 0.03
+
+
+@pytest.mark.parametrize("form", MOE_FORMS)
+def test_fp8_moe_checkpoint_stays_near_its_reference(form, tmp_path):
+    """A mixture of experts' FP8 checkpoint on the GPU: fp8 attention and dense products, experts dequantized
+    at load into the fused MoE's bf16; prompt log-probabilities near HF's fp32 model of the same weights."""
+    base = build("qwen3-moe-blocks", tmp_path / "base")
+    path = write_moe(form, base, tmp_path / form, tmp_path / "dequantized")
+    mean = mean_prompt_logprob_error(path, {}, moe_reference_model(tmp_path / "dequantized", form))
+    print(f"moe {form}: mean |prompt logprob - fp32 reference| = {mean:.4f}")
     assert mean < 0.03
