@@ -97,7 +97,7 @@ def _dequantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     scale = scale.float()
     if scale.numel() == 1:
         scale = scale.reshape(1).expand(weight.shape[0])
-    elif scale.numel() == weight.shape[0] and weight.shape[0] > 1:
+    elif scale.dim() == 1 or tuple(scale.shape) == (weight.shape[0], 1):
         scale = scale.reshape(-1)
     return dequantize_weight_ref(weight, scale)
 

@@ -8,9 +8,12 @@ activation scales, are refused."""
 import json
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from batchgen import LLM
+from batchgen.kernels.e4m3 import dequantize_weight_ref, quantize_weight_ref
+from batchgen.layers.moe import _dequantized
 from batchgen.models.model_config import UnsupportedModelError
 from tests.engine.test_fp8_checkpoints import GREEDY, MAX_TOKENS, assert_tokens_match, prompts
 from tests.fp8_checkpoints import MOE_FORMS, greedy_reference, moe_reference_model, write_moe
@@ -86,3 +89,16 @@ def test_static_activation_scales_on_a_moe_checkpoint_are_refused(moe_checkpoint
     (static / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="static activation scales"):
         LLM(str(static), dtype="float32", device="cpu")
+
+
+def test_expert_scales_of_each_form_dequantize_as_the_dense_layers_do():
+    """Per tensor, per channel ([N] or [N, 1]) and 128x128 blocks, including a block grid with as many
+    entries as the weight has rows (N = 256, K = 16,384)."""
+    w = torch.randn(256, 16384)
+    q, grid = quantize_weight_ref(w, block=True)
+    assert grid.numel() == w.shape[0] and torch.equal(_dequantized(q, grid), dequantize_weight_ref(q, grid))
+    q, rows = quantize_weight_ref(w)
+    for scale in (rows, rows[:, None]):
+        assert torch.equal(_dequantized(q, scale), dequantize_weight_ref(q, rows))
+    one = torch.tensor([0.01])
+    assert torch.equal(_dequantized(q, one), q.float() * 0.01)
