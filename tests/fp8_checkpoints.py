@@ -106,14 +106,18 @@ def _to_e4m3(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w / scale).clamp(-448, 448).to(E4M3)
 
 
+def _grid_per_element(grid: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A block scale grid [ceil(N/128), ceil(K/128)] spread over the [N, K] elements it scales."""
+    return grid.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+
+
 def _block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (e4m3, scale grid [ceil(N/128), ceil(K/128)]), scale = amax(block) / 448."""
     n, k = w.shape
     padded = torch.nn.functional.pad(w, (0, -k % BLOCK, 0, -n % BLOCK))
     blocks = padded.unflatten(0, (-1, BLOCK)).unflatten(2, (-1, BLOCK))  # [N/B, B, K/B, B]
     grid = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448
-    full = grid.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
-    return _to_e4m3(w, full), grid
+    return _to_e4m3(w, _grid_per_element(grid, n, k)), grid
 
 
 def calibration_amax(base: Path, modules: list[str]) -> dict[str, float]:
@@ -223,9 +227,7 @@ def reference_model(base: Path, quantized: Path | None = None, form: str = "chan
             scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448
             dequantized = _to_e4m3(w, scale).float() * scale
         elif form == "block":
-            grid = tensors[f"{name}.weight_scale_inv"]
-            n, k = linear.weight.shape
-            full = grid.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+            full = _grid_per_element(tensors[f"{name}.weight_scale_inv"], *linear.weight.shape)
             dequantized = tensors[f"{name}.weight"].float() * full
         else:
             scale = tensors[f"{name}.weight_scale"]
@@ -281,8 +283,7 @@ def write_moe(form: str, base: Path, path: Path, dequantized: Path) -> Path:
         if form == "block":
             q, grid = _block_quantize(w)
             out[name], out[f"{name}_scale_inv"] = q, grid
-            plain[name] = q.float() * grid.repeat_interleave(BLOCK, 0)[: w.shape[0]].repeat_interleave(BLOCK, 1)[
-                :, : w.shape[1]]
+            plain[name] = q.float() * _grid_per_element(grid, *w.shape)
         else:
             scale = w.abs().amax(dim=1, keepdim=True) / 448  # [N, 1]
             out[name], out[f"{name}_scale"] = _to_e4m3(w, scale), scale

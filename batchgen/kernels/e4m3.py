@@ -48,9 +48,12 @@ def round_ref(x: torch.Tensor, scale: torch.Tensor | None = None, group: int | N
 
 
 def dequantize_weight_ref(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 W [N, K] times its scales, fp32: per output channel [N], or per 128x128 block [N/128, K/128]."""
-    if weight_scale.dim() == 1:
-        return weight.float() * weight_scale.float()[:, None]
+    """e4m3 W [N, K] times its scales, fp32: one per tensor, per output channel ([N] or a checkpoint's
+    [N, 1]), or per 128x128 block [ceil(N/128), ceil(K/128)] (told from [N, 1] by its shape, not its size)."""
+    if weight_scale.numel() == 1:
+        return weight.float() * weight_scale.float().reshape(())
+    if weight_scale.dim() == 1 or tuple(weight_scale.shape) == (weight.shape[0], 1):
+        return weight.float() * weight_scale.float().reshape(-1, 1)
     ws = weight_scale.float().repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)
     return weight.float() * ws[: weight.shape[0], : weight.shape[1]]
 

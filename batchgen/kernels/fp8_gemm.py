@@ -343,15 +343,14 @@ def fp8_product(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, weight_s
     cuBLAS's row-wise product where it beats the pointer kernel, else that kernel."""
     M, K = q.shape
     N = weight.shape[0]
-    tile = (tma_tile(M, N, K, parts_ok and bias is None, num_sms(q.device))
-            if weight_scale.dim() == 1 and tile_gemm_supported(q.device) and tma_ok(q) and tma_ok(weight) else None)
-    if tile is not None:
-        rows = s if s.numel() > 1 else s.reshape(1, 1).expand(M, 1)  # (a static scale: the same for every row)
+    if weight_scale.dim() == 2:
+        return fp8_gemm(q, s, weight, weight_scale, bias, out_dtype)
+    rows = s if input_scale is None else input_scale.reshape(1, 1).expand(M, 1)  # (static: one scale for all)
+    tile = tma_tile(M, N, K, parts_ok and bias is None, num_sms(q.device))
+    if tile is not None and tile_gemm_supported(q.device) and tma_ok(q) and tma_ok(weight):
         return tile_gemm_triton(q, weight, parts_ok=tile[5] > 1, tile=tile, bias=bias, out_dtype=out_dtype,
                                 x_scale=rows, weight_scale=weight_scale)
-    if weight_scale.dim() == 2 or not _scaled_mm_ok(q, weight) or not takes_scaled_mm(M, N, K):
+    if not _scaled_mm_ok(q, weight) or not takes_scaled_mm(M, N, K):
         return fp8_gemm(q, s, weight, weight_scale, bias, out_dtype)
-    if input_scale is not None:  # row-wise scales on both sides: the static scale repeated per row
-        s = input_scale.reshape(1, 1).expand(M, 1).contiguous()
-    return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale.view(1, -1), bias=bias,
+    return torch._scaled_mm(q, weight.t(), scale_a=rows.contiguous(), scale_b=weight_scale.view(1, -1), bias=bias,
                             out_dtype=out_dtype)

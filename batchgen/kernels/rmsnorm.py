@@ -137,7 +137,7 @@ def add_rmsnorm_fp8_triton(
     parts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     assert parts is None or (parts.dim() == 3 and parts.dtype == torch.float32 and parts.shape[1:] == residual.shape)
-    return _launch(x if parts is None else parts[0], residual, weight, eps, parts=parts, fp8_out=True)
+    return _launch(x, residual, weight, eps, parts=parts, fp8_out=True)
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -169,7 +169,8 @@ def add_rmsnorm_fp8_ref(
     parts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, s, x + residual): add_rmsnorm's y rounded by e4m3.quantize_ref, one scale a row (without a
-    residual: rmsnorm's y, and x itself). parts: x is their sum, as add_rmsnorm_parts_ref takes it."""
+    residual: rmsnorm's y, and x itself). parts: their sum is x (x is parts[0]), as add_rmsnorm_parts_ref
+    takes them."""
     if parts is not None:
         y, new_residual = add_rmsnorm_parts_ref(parts, residual, weight, eps)
     elif residual is None:
@@ -206,12 +207,12 @@ def add_rmsnorm_parts(
 
 
 def add_rmsnorm_fp8(
-    x: torch.Tensor | None, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
     parts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, residual [T, H] (or residual None) -> (e4m3 q [T, H], fp32 scales [T, 1], x + residual): the
     normalised row as an FP8 product with per-token activations takes it. parts [S, T, H] fp32 (then x is
-    unused and residual required): x is their sum, as for add_rmsnorm_parts."""
-    if (x if parts is None else parts).is_cuda:
+    parts[0] and residual required): x is their sum, as for add_rmsnorm_parts."""
+    if x.is_cuda:
         return add_rmsnorm_fp8_triton(x, residual, weight, eps, parts)
     return add_rmsnorm_fp8_ref(x, residual, weight, eps, parts)

@@ -4,7 +4,7 @@ from torch import nn
 from batchgen.kernels import add_rmsnorm, rmsnorm
 from batchgen.kernels.rmsnorm import add_rmsnorm_fp8
 from batchgen.kernels.skinny_gemm import normed_skinny_gemm, uses_tma
-from batchgen.layers.linear import DeferredSum, SplitParts
+from batchgen.layers.linear import DeferredSum
 from batchgen.layers.packed_linear import PackableWeight
 
 
@@ -37,12 +37,13 @@ def normed_product(
     (also for a row-parallel product's DeferredSum, which the norm sums, unless it is one fp32 part, and
     a weight read through TMA: kernels/skinny_gemm.py says why)."""
     # (the loader gives every weight the model's dtype: the skinny kernel asserts it)
-    parts = x.parts if isinstance(x, SplitParts) and residual is not None else None
-    rows = x if parts is None else parts
-    if linear.fp8 is not None and not isinstance(rows, DeferredSum) and linear.fp8.takes_normed_rows(rows):
-        # (the norm rounds to e4m3)
-        q, s, residual = add_rmsnorm_fp8(None if parts is not None else x, residual, norm.weight, norm.eps, parts)
-        return linear.fp8.product_of_rounded(linear, q, s, linear.bias, residual.dtype), residual
+    if linear.fp8 is not None and linear.fp8.takes_normed_rows(x if residual is None else residual):
+        # (the norm rounds to e4m3; a DeferredSum whose form has no such kernel gives None)
+        rounded = (x.add_rmsnorm_fp8(residual, norm.weight, norm.eps) if isinstance(x, DeferredSum)
+                   else add_rmsnorm_fp8(x, residual, norm.weight, norm.eps))
+        if rounded is not None:
+            q, s, residual = rounded
+            return linear.fp8.product_of_rounded(linear, q, s, linear.bias, residual.dtype), residual
     summed = x.single_part() if isinstance(x, DeferredSum) else x  # (an fp32 sum in one part: as it is)
     row = summed if residual is None else residual  # (16-bit, where summed may be fp32)
     if summed is not None and linear.streams(row) and not uses_tma(row, linear.weight):

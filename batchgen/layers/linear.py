@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from batchgen.kernels.rmsnorm import add_rmsnorm_parts
+from batchgen.kernels.rmsnorm import add_rmsnorm_fp8, add_rmsnorm_parts
 from batchgen.layers.packed_linear import PackableWeight
 from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 
@@ -172,6 +172,12 @@ class DeferredSum:
         """(rmsnorm(sum + residual) * weight, sum + residual)."""
         raise NotImplementedError
 
+    def add_rmsnorm_fp8(self, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """add_rmsnorm's output rounded to e4m3 per row, (q, scales, sum + residual), where this form of the
+        sum has that kernel (kernels/rmsnorm.add_rmsnorm_fp8); else None."""
+        return None
+
 
 @dataclass(frozen=True)
 class PartialSums(DeferredSum):
@@ -195,3 +201,7 @@ class SplitParts(DeferredSum):
     def add_rmsnorm(self, residual, weight, eps):
         assert residual is not None, "split-K parts are summed by an add + RMSNorm: it needs the residual"
         return add_rmsnorm_parts(self.parts, residual, weight, eps)
+
+    def add_rmsnorm_fp8(self, residual, weight, eps):
+        assert residual is not None, "split-K parts are summed by an add + RMSNorm: it needs the residual"
+        return add_rmsnorm_fp8(self.parts[0], residual, weight, eps, self.parts)

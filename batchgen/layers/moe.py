@@ -60,7 +60,7 @@ class FusedExperts(nn.Module):
             if len(waiting) < 2:
                 return
             del self.pending[shard]
-            loaded = _dequantized(waiting["weight"], waiting["scale"])
+            loaded = dequantize_weight_ref(waiting["weight"], waiting["scale"])
         self.loaded.add(shard)
         part, _, expert = shard.partition(":")
         if part == "gate_up":
@@ -89,17 +89,6 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """-> this rank's partial sums [T, H]."""
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)  # (the torch reference on CPU)
-
-
-def _dequantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """An e4m3 weight [N, K] times its scale, fp32: one per tensor, per output channel ([N] or [N, 1]), or
-    per 128x128 block ([ceil(N/128), ceil(K/128)])."""
-    scale = scale.float()
-    if scale.numel() == 1:
-        scale = scale.reshape(1).expand(weight.shape[0])
-    elif scale.dim() == 1 or tuple(scale.shape) == (weight.shape[0], 1):
-        scale = scale.reshape(-1)
-    return dequantize_weight_ref(weight, scale)
 
 
 def _fill(target: torch.Tensor, loaded: torch.Tensor) -> None:

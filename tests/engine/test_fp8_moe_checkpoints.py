@@ -6,6 +6,7 @@ dequantized weights with the dense products' inputs rounded alike (a difference 
 test_fp8_checkpoints.py), also under TP=2 (per channel); an expert weight without its scale, and static
 activation scales, are refused."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -13,7 +14,6 @@ from safetensors.torch import load_file, save_file
 
 from batchgen import LLM
 from batchgen.kernels.e4m3 import dequantize_weight_ref, quantize_weight_ref
-from batchgen.layers.moe import _dequantized
 from batchgen.models.model_config import UnsupportedModelError
 from tests.engine.test_fp8_checkpoints import GREEDY, MAX_TOKENS, assert_tokens_match, prompts
 from tests.fp8_checkpoints import MOE_FORMS, greedy_reference, moe_reference_model, write_moe
@@ -64,11 +64,7 @@ def test_fp8_moe_layers_keep_fp8_products_and_dequantized_experts(moe_checkpoint
 
 def test_expert_weight_without_its_scale_is_refused(moe_checkpoints, tmp_path):
     path, _ = moe_checkpoints("channel-dynamic")
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in path.iterdir():
-        if f.name != "model.safetensors":
-            (broken / f.name).write_bytes(f.read_bytes())
+    broken = shutil.copytree(path, tmp_path / "broken")
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.2.mlp.experts.3.up_proj.weight_scale"]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
@@ -78,10 +74,7 @@ def test_expert_weight_without_its_scale_is_refused(moe_checkpoints, tmp_path):
 
 def test_static_activation_scales_on_a_moe_checkpoint_are_refused(moe_checkpoints, tmp_path):
     path, _ = moe_checkpoints("channel-dynamic")
-    static = tmp_path / "static"
-    static.mkdir()
-    for f in path.iterdir():
-        (static / f.name).write_bytes(f.read_bytes())
+    static = shutil.copytree(path, tmp_path / "static")
     config = json.loads((path / "config.json").read_text())
     group = config["quantization_config"]["config_groups"]["group_0"]
     group["weights"]["strategy"] = "tensor"
@@ -93,12 +86,14 @@ def test_static_activation_scales_on_a_moe_checkpoint_are_refused(moe_checkpoint
 
 def test_expert_scales_of_each_form_dequantize_as_the_dense_layers_do():
     """Per tensor, per channel ([N] or [N, 1]) and 128x128 blocks, including a block grid with as many
-    entries as the weight has rows (N = 256, K = 16,384)."""
+    entries as the weight has rows (N = 256, K = 16,384): told apart by shape, not size."""
     w = torch.randn(256, 16384)
     q, grid = quantize_weight_ref(w, block=True)
-    assert grid.numel() == w.shape[0] and torch.equal(_dequantized(q, grid), dequantize_weight_ref(q, grid))
+    assert grid.numel() == w.shape[0]
+    per_element = grid.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert torch.equal(dequantize_weight_ref(q, grid), q.float() * per_element)
     q, rows = quantize_weight_ref(w)
     for scale in (rows, rows[:, None]):
-        assert torch.equal(_dequantized(q, scale), dequantize_weight_ref(q, rows))
+        assert torch.equal(dequantize_weight_ref(q, scale), q.float() * rows[:, None])
     one = torch.tensor([0.01])
-    assert torch.equal(_dequantized(q, one), q.float() * 0.01)
+    assert torch.equal(dequantize_weight_ref(q, one), q.float() * 0.01)
