@@ -4,6 +4,7 @@ equals the CPU path's rounding (layers/fp8.py: activations rounded to e4m3 with 
 up to bf16 output rounding, at 1 to 300 rows; a job runs through the CUDA graphs (no one-row MLP) and its
 prompt log-probabilities stay near the float32 HF reference with the same quantization; so do a model whose
 o and down split K in parts, and a mixture of experts' FP8 checkpoints."""
+import importlib
 import random
 
 import pytest
@@ -13,9 +14,7 @@ import torch.nn.functional as F
 from batchgen import LLM, SamplingParams
 from batchgen.kernels.e4m3 import dequantize_weight_ref
 from batchgen.kernels.fp8_gemm import tma_tile
-from batchgen.kernels.rmsnorm import add_rmsnorm_fp8
 from batchgen.kernels.tile_gemm import tile_gemm_supported
-from batchgen.layers import layernorm
 from batchgen.layers.fp8 import E4M3, round_activations
 from tests.fp8_checkpoints import (
     FORMS,
@@ -110,11 +109,14 @@ def test_split_fp8_products_reach_the_norm_as_parts(tmp_path, monkeypatch):
     base = build_base(tmp_path / "wide", hidden=512, intermediate=1024, heads=8, head_dim=64)
     with_parts = []
 
-    def spy(x, residual, weight, eps, parts=None):
-        with_parts.append(parts is not None)
-        return add_rmsnorm_fp8(x, residual, weight, eps, parts)
+    rmsnorm = importlib.import_module("batchgen.kernels.rmsnorm")  # (batchgen.kernels.rmsnorm is also a function)
+    rounding_norm = rmsnorm.add_rmsnorm_fp8_triton
 
-    monkeypatch.setattr(layernorm, "add_rmsnorm_fp8", spy)
+    def spy(x, residual, weight, eps, parts=None):  # (every caller's path: the norm's launch)
+        with_parts.append(parts is not None)
+        return rounding_norm(x, residual, weight, eps, parts)
+
+    monkeypatch.setattr(rmsnorm, "add_rmsnorm_fp8_triton", spy)
     mean = mean_prompt_logprob_error(base, {"quantization": "fp8"}, reference_model(base))
     assert any(with_parts)  # (the decode steps' o and down)
     assert mean < 0.03
