@@ -1,8 +1,10 @@
 """The fused MoE (batchgen/kernels/fused_moe.py) on a GPU at the layers of qwen3-30b-a3b (E 128, k 8,
-H 2048, I 768) and mixtral-8x7b (E 8, k 2, H 4096, I 14336), bf16, T in 1 .. 4096 tokens.
+H 2048, I 768) and mixtral-8x7b (E 8, k 2, H 4096, I 14336), bf16, T in 1 .. 4096 tokens; --fp8 channel or
+block also times FP8 experts (e4m3 weights with per-channel or 128x128-block scales, inputs rounded per token
+or per 128-group; kernels/fused_moe.Fp8Experts), "bf16" the 16-bit layer (the default).
 
     PYTHONPATH=. python benchmarks/fused_moe.py [--models qwen3-30b-a3b,mixtral-8x7b] [--tokens 1,16,...]
-        [--tp 1,2] [--tune]
+        [--tp 1,2] [--fp8 bf16,channel,block] [--tune]
 
 For each T: the router's weights and ids from random logits, the fused MoE checked against
 fused_moe_reference, then timed with CUDA events (warm-up first: Triton compiles are not timed):
@@ -14,14 +16,14 @@ fused_moe_reference, then timed with CUDA events (warm-up first: Triton compiles
   align_us  the align alone in a graph: the Triton kernels and the torch ops (`us` includes the one
             moe_align picks);
   router_us select_experts alone in a graph (not in `us`).
-Bytes are the touched experts' weights read once (distinct experts hit * 3 * H * I * 2) plus x read and
+Bytes are the touched experts' weights read once (distinct experts hit * 3 * H * I * 2, or * 1 for fp8) plus x read and
 the output written; GB/s is those over `us`, bw_frac over the GPU's bandwidth (H200 4.8 TB/s, H100
 3.35 TB/s, by torch.cuda.get_device_name). The issue's target: T = 256 at >= 0.70 of it.
 
 --tune also sweeps BLOCK_M and each product's (BLOCK_N, BLOCK_K, warps, stages) per T (each product
 timed alone on the same aligned slots; the best pair then timed together per BLOCK_M) and prints the
-best configs as entries of fused_moe.TUNED to paste into the kernel file. One JSON line per
-measurement; a table last. --tp 2 times the shard of I a GPU holds under tensor parallelism.
+best configs as entries of fused_moe.TUNED (TUNED_FP8 for an fp8 form) to paste into the kernel file. One
+JSON line per measurement; a table last. --tp 2 times the shard of I a GPU holds under tensor parallelism.
 """
 import argparse
 import itertools
@@ -31,7 +33,15 @@ import statistics
 import torch
 
 import batchgen.kernels.fused_moe as fm
-from batchgen.kernels.fused_moe import GemmTile, MoeConfig, fused_moe_reference, fused_moe_triton, select_experts
+from batchgen.kernels.fp8_gemm import quantize
+from batchgen.kernels.fused_moe import (
+    GemmTile,
+    MoeConfig,
+    fused_moe_reference,
+    fused_moe_triton,
+    quantize_experts,
+    select_experts,
+)
 from batchgen.kernels.moe_align import moe_align_torch, moe_align_triton
 
 MODELS = {
@@ -64,14 +74,14 @@ def bandwidth() -> float | None:
     return next((bw for key, bw in BANDWIDTH.items() if key in name), None)
 
 
-def make_layer(num_experts, hidden, inter, copies, **_):
-    """copies distinct (w13, w2) of one layer: a graph cycles through them so no call finds its
-    weights in the L2."""
+def make_layer(num_experts, hidden, inter, copies, form="bf16", **_):
+    """copies distinct (w13, w2, fp8) of one layer (fp8 None for bf16): a graph cycles through them so no
+    call finds its weights in the L2."""
     layers = []
     for _ in range(copies):
         w13 = torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, dtype=DTYPE) / hidden**0.5
         w2 = torch.randn(num_experts, hidden, inter, device=DEVICE, dtype=DTYPE) / inter**0.5
-        layers.append((w13, w2))
+        layers.append((w13, w2, None) if form == "bf16" else quantize_experts(w13, w2, form == "block"))
     return layers
 
 
@@ -122,29 +132,30 @@ def eager_us(call, reps=REPS) -> float:
     return statistics.median(times)
 
 
-def touched_bytes(ids, num_tokens, hidden, inter) -> int:
+def touched_bytes(ids, num_tokens, hidden, inter, weight_bytes=2) -> int:
     distinct = ids.unique().numel()
-    return distinct * 3 * hidden * inter * 2 + 2 * num_tokens * hidden * 2
+    return distinct * 3 * hidden * inter * weight_bytes + 2 * num_tokens * hidden * 2
 
 
-def bench(model, shape, layers, num_tokens, peak):
+def bench(model, shape, layers, num_tokens, peak, form="bf16"):
     x, weights, ids = make_batch(num_tokens, shape["num_experts"], shape["top_k"], shape["hidden"])
-    w13, w2 = layers[0]
-    got = fused_moe_triton(x, w13, w2, weights, ids)
-    want = fused_moe_reference(x, w13, w2, weights, ids)
+    w13, w2, fp8 = layers[0]
+    got = fused_moe_triton(x, w13, w2, weights, ids, fp8=fp8)
+    want = fused_moe_reference(x, w13, w2, weights, ids, fp8)
     max_err = (got.float() - want.float()).abs().max().item()
-    ok = torch.allclose(got.float(), want.float(), **TOLERANCE)
-    us = graph_us([lambda w13=w13, w2=w2: fused_moe_triton(x, w13, w2, weights, ids) for w13, w2 in layers])
-    us_eager = eager_us(lambda: fused_moe_triton(x, w13, w2, weights, ids))
-    ref_us = eager_us(lambda: fused_moe_reference(x, w13, w2, weights, ids), reps=3)
+    ok = close_to(got, want, form)
+    us = graph_us([lambda w13=w13, w2=w2, fp8=fp8: fused_moe_triton(x, w13, w2, weights, ids, fp8=fp8)
+                   for w13, w2, fp8 in layers])
+    us_eager = eager_us(lambda: fused_moe_triton(x, w13, w2, weights, ids, fp8=fp8))
+    ref_us = eager_us(lambda: fused_moe_reference(x, w13, w2, weights, ids, fp8), reps=3)
     config = fm.pick_config(num_tokens, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"],
                             x.device)
     align_triton = graph_us([lambda: moe_align_triton(ids, shape["num_experts"], config.block_m)] * 8)
     align_torch = graph_us([lambda: moe_align_torch(ids, shape["num_experts"], config.block_m)] * 8)
     logits = torch.randn(num_tokens, shape["num_experts"], device=DEVICE)
     router = graph_us([lambda: select_experts(logits, shape["top_k"], True)] * 8)
-    nbytes = touched_bytes(ids, num_tokens, shape["hidden"], shape["inter"])
-    record = dict(model=model, inter=shape["inter"], T=num_tokens, experts_hit=ids.unique().numel(),
+    nbytes = touched_bytes(ids, num_tokens, shape["hidden"], shape["inter"], 2 if fp8 is None else 1)
+    record = dict(model=model, form=form, inter=shape["inter"], T=num_tokens, experts_hit=ids.unique().numel(),
                   mbytes=round(nbytes / 1e6, 1), us=round(us, 1), us_eager=round(us_eager, 1),
                   ref_us=round(ref_us, 1), align_triton_us=round(align_triton, 1),
                   align_torch_us=round(align_torch, 1), router_us=round(router, 1), gbps=round(nbytes / us / 1e3, 1),
@@ -156,15 +167,16 @@ def bench(model, shape, layers, num_tokens, peak):
     emit(**record)
 
 
-def fits(block_m: int, tile: GemmTile, weight_tiles: int) -> bool:
+def fits(block_m: int, tile: GemmTile, weight_tiles: int, itemsize: int = 2) -> bool:
     """The pipelined tiles of x and W (weight_tiles of them: gate and up, or down) in shared memory."""
-    per_stage = (block_m * tile.block_k + weight_tiles * tile.block_n * tile.block_k) * 2
+    per_stage = (block_m * tile.block_k + weight_tiles * tile.block_n * tile.block_k) * itemsize
     return per_stage * tile.stages <= SHARED_MEMORY
 
 
-def candidate_tiles(block_m, weight_tiles):
-    tiles = [GemmTile(n, k, w, s) for (n, k), (w, s) in itertools.product(NK_TILES, WARPS_STAGES)]
-    return [t for t in tiles if fits(block_m, t, weight_tiles)]
+def candidate_tiles(block_m, weight_tiles, form="bf16"):
+    nk_tiles = NK_TILES if form == "bf16" else [(n, 2 * k) for n, k in NK_TILES if form == "channel" or 2 * k <= 128]
+    tiles = [GemmTile(n, k, w, s) for (n, k), (w, s) in itertools.product(sorted(set(nk_tiles)), WARPS_STAGES)]
+    return [t for t in tiles if fits(block_m, t, weight_tiles, 2 if form == "bf16" else 1)]
 
 
 def best_of(tiles, make_call, layers):
@@ -173,7 +185,7 @@ def best_of(tiles, make_call, layers):
     best = (float("inf"), None)
     for tile in tiles:
         try:
-            us = graph_us([make_call(tile, w13, w2) for w13, w2 in layers])
+            us = graph_us([make_call(tile, w13, w2, fp8) for w13, w2, fp8 in layers])
         except Exception as e:  # (out of resources at compile)
             emit(tune_error=repr(tile), error=repr(e)[:200])
             continue
@@ -181,33 +193,47 @@ def best_of(tiles, make_call, layers):
     return best
 
 
-def tune(model, shape, layers, num_tokens) -> MoeConfig | None:
+def close_to(got, want, form) -> bool:
+    """bf16: allclose; fp8: a value of h may round one e4m3 step apart (tests/gpu/test_fused_moe_gpu.py)."""
+    if form == "bf16":
+        return torch.allclose(got.float(), want.float(), **TOLERANCE)
+    return bool((got.float() - want.float()).abs().mean() < 0.01 * want.float().abs().mean())
+
+
+def tune(model, shape, layers, num_tokens, form="bf16") -> MoeConfig | None:
     """The fastest config at num_tokens, each BLOCK_M's best tiles checked against the reference."""
     x, weights, ids = make_batch(num_tokens, shape["num_experts"], shape["top_k"], shape["hidden"])
+    fp8 = layers[0][2]
     want = fused_moe_reference(x, *layers[0], weights, ids)
+    group = None if fp8 is None or not fp8.block else 128
+    x_in, x_scale = (x, None) if fp8 is None else quantize(x, group=group)
     per_expert = num_tokens * shape["top_k"] / shape["num_experts"]
     best = (float("inf"), None)
     for block_m in [m for m in BLOCK_MS if m == 16 or m <= 4 * per_expert]:
         aligned = moe_align_torch(ids, shape["num_experts"], block_m)
-        h = fm.gate_up_silu(x, layers[0][0], shape["top_k"], aligned, block_m, fm.default_config(
-            num_tokens, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"]).gate_up)
+        start = fm.pick_config(num_tokens, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"],
+                               x.device, fp8=None if form == "bf16" else form)
+        h = fm.gate_up_silu(x_in, layers[0][0], shape["top_k"], aligned, block_m, start.gate_up, fp8, x_scale, x.dtype)
+        h_in, h_scale = (h, None) if fp8 is None else quantize(h, group=group)
         gate_up_us, gate_up = best_of(
-            candidate_tiles(block_m, 2),
-            lambda tile, w13, w2: lambda: fm.gate_up_silu(x, w13, shape["top_k"], aligned, block_m, tile), layers)
+            candidate_tiles(block_m, 2, form),
+            lambda tile, w13, w2, fp8: lambda: fm.gate_up_silu(x_in, w13, shape["top_k"], aligned, block_m, tile,
+                                                               fp8, x_scale, x.dtype), layers)
         down_us, down = best_of(
-            candidate_tiles(block_m, 1),
-            lambda tile, w13, w2: lambda: fm.down_weighted(h, w2, weights, aligned, block_m, tile), layers)
+            candidate_tiles(block_m, 1, form),
+            lambda tile, w13, w2, fp8: lambda: fm.down_weighted(h_in, w2, weights, aligned, block_m, tile, fp8,
+                                                                h_scale, x.dtype), layers)
         if gate_up is None or down is None:
             continue
         config = MoeConfig(block_m, gate_up, down)
-        got = fused_moe_triton(x, *layers[0], weights, ids, config)
-        if not torch.allclose(got.float(), want.float(), **TOLERANCE):
+        got = fused_moe_triton(x, *layers[0][:2], weights, ids, config, fp8=fp8)
+        if not close_to(got, want, form):
             emit(model=model, T=num_tokens, config=repr(tuple(config)), error="differs from the reference")
             continue
-        us = graph_us([lambda w13=w13, w2=w2: fused_moe_triton(x, w13, w2, weights, ids, config)
-                       for w13, w2 in layers])
-        emit(model=model, inter=shape["inter"], T=num_tokens, block_m=block_m, gate_up_us=round(gate_up_us, 1),
-             down_us=round(down_us, 1), us=round(us, 1), config=repr(tuple(config)))
+        us = graph_us([lambda w13=w13, w2=w2, fp8=fp8: fused_moe_triton(x, w13, w2, weights, ids, config, fp8=fp8)
+                       for w13, w2, fp8 in layers])
+        emit(model=model, form=form, inter=shape["inter"], T=num_tokens, block_m=block_m,
+             gate_up_us=round(gate_up_us, 1), down_us=round(down_us, 1), us=round(us, 1), config=repr(tuple(config)))
         best = min(best, (us, config))
     return best[1]
 
@@ -217,36 +243,40 @@ def main():
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--tp", default="1", help="tensor-parallel degrees: a GPU holds I / tp of each expert")
+    parser.add_argument("--fp8", default="bf16", help="the experts' forms: bf16, channel, block (comma-separated)")
     parser.add_argument("--tune", action="store_true", help="sweep the block sizes and print TUNED's entries")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
+    forms = args.fp8.split(",")
+    if set(forms) - {"bf16", "channel", "block"}:
+        parser.error("--fp8 takes bf16, channel and block")
     peak = bandwidth()
     device_name = torch.cuda.get_device_name()
     tokens = [int(t) for t in args.tokens.split(",")]
     tuned = {}
-    for model, tp in itertools.product(args.models.split(","), [int(t) for t in args.tp.split(",")]):
+    for model, tp, form in itertools.product(args.models.split(","), [int(t) for t in args.tp.split(",")], forms):
         shape = dict(MODELS[model])
         shape["inter"] //= tp
-        layers = make_layer(**shape)
+        layers = make_layer(**shape, form=form)
         for num_tokens in tokens:
-            bench(model, shape, layers, num_tokens, peak)
+            bench(model, shape, layers, num_tokens, peak, form)
             if args.tune:
-                config = tune(model, shape, layers, num_tokens)
+                config = tune(model, shape, layers, num_tokens, form)
                 if config is not None:
                     key = (device_name, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"])
-                    tuned.setdefault(key, {})[num_tokens] = config
+                    tuned.setdefault(key if form == "bf16" else (*key, form), {})[num_tokens] = config
         del layers
         torch.cuda.empty_cache()
-    print(f"\n{'model':<15}{'I':>6}{'T':>6}{'hit':>5}{'MB':>9}{'us':>9}{'eager':>9}{'GB/s':>8}{'frac':>7}"
+    print(f"\n{'model':<15}{'form':>8}{'I':>6}{'T':>6}{'hit':>5}{'MB':>9}{'us':>9}{'eager':>9}{'GB/s':>8}{'frac':>7}"
           f"{'ref us':>10}{'align us (triton/torch)':>26}{'router':>8}  ok")
     for r in RECORDS:
         if "us_eager" in r:
-            print(f"{r['model']:<15}{r['inter']:>6}{r['T']:>6}{r['experts_hit']:>5}{r['mbytes']:>9}{r['us']:>9}"
+            print(f"{r['model']:<15}{r['form']:>8}{r['inter']:>6}{r['T']:>6}{r['experts_hit']:>5}{r['mbytes']:>9}{r['us']:>9}"
                   f"{r['us_eager']:>9}{r['gbps']:>8}{r.get('bw_frac', '-'):>7}{r['ref_us']:>10}"
                   f"{r['align_triton_us']:>15} / {r['align_torch_us']:<8}{r['router_us']:>8}  {r['ok']}")
     if tuned:
-        print("\n# fused_moe.TUNED entries (benchmarks/fused_moe.py --tune):")
+        print("\n# fused_moe.TUNED entries (benchmarks/fused_moe.py --tune; keys ending in a form: TUNED_FP8's):")
         for key, by_tokens in tuned.items():
             print(f"    {key!r}: {{")
             for num_tokens, config in sorted(by_tokens.items()):

@@ -299,8 +299,8 @@ def write_moe(form: str, base: Path, path: Path, dequantized: Path) -> Path:
 
 def moe_reference_model(dequantized: Path, form: str):
     """HF's model of the dequantized weights, each dense quantized Linear's input rounded to e4m3 (per group
-    of 128 for blocks, else per token); the experts' inputs are not rounded (batchgen's experts run in the
-    model's dtype, their weights dequantized)."""
+    of 128 for blocks, else per token), and the experts' too: x before gate/up and silu(gate) * up before
+    down (batchgen's FP8 experts round both, as vLLM's do)."""
     from tests.tiny_models import load_hf
 
     model = load_hf(dequantized)
@@ -308,4 +308,22 @@ def moe_reference_model(dequantized: Path, form: str):
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and MOE_QUANTIZED.match(f"{name}.weight"):
             module.register_forward_pre_hook(lambda mod, args: (round_input(args[0], activations, None),))
+        if name.endswith("mlp.experts"):
+            module.forward = _rounded_experts(module, activations)
     return model
+
+
+def _rounded_experts(experts, activations: str):
+    """transformers 5's experts' forward (gate_up_proj [E, 2I, H], down_proj [E, H, I]), pair by pair, with
+    each product's input rows rounded to e4m3."""
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        x = round_input(hidden_states, activations, None)
+        for t, j in torch.cartesian_prod(torch.arange(x.shape[0]), torch.arange(top_k_index.shape[1])).tolist():
+            e = int(top_k_index[t, j])
+            gate, up = torch.nn.functional.linear(x[t], experts.gate_up_proj[e]).chunk(2)
+            h = round_input((experts.act_fn(gate) * up)[None], activations, None)[0]
+            out[t] += torch.nn.functional.linear(h, experts.down_proj[e]) * top_k_weights[t, j]
+        return out
+
+    return forward

@@ -51,11 +51,10 @@ def test_unquantized_and_quantize_at_load():
     assert resolve_scheme(scheme, None) is scheme
     with pytest.raises(UnsupportedModelError, match="already quantized"):
         resolve_scheme(scheme, "fp8")
-    # a mixture of experts: its dynamic FP8 checkpoint runs (experts dequantized at load), --quantization fp8
-    # and static activation scales are refused
+    # a mixture of experts: its dynamic FP8 checkpoint runs, and --quantization fp8 quantizes it; static
+    # activation scales are refused
     assert resolve_scheme(scheme, None, moe=True) is scheme
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
-        resolve_scheme(None, "fp8", moe=True)
+    assert resolve_scheme(None, "fp8", moe=True) == QUANTIZE_AT_LOAD
     with pytest.raises(UnsupportedModelError, match="static activation scales"):
         resolve_scheme(Fp8Scheme("tensor", "tensor-static"), None, moe=True)
 

@@ -11,6 +11,12 @@ two grouped products take a block of one expert's pairs against that expert's we
   2. `_down_kernel`: y[p] = w[p] * (h[p] Wd^T) in x's dtype, [T*k, H];
   3. out = y.view(T, k, H).sum(1): one torch reduction (fp32 sums). No atomics anywhere: the same
      inputs give the same bits, and a token's sums do not depend on where its pairs sit in a block.
+FP8 experts (`Fp8Experts`): w13 and w2 in e4m3 with fp32 scales per output channel or per 128x128
+block; each product's input rows are rounded to e4m3 first (per token, or per group of 128 columns:
+kernels/e4m3.py), and the dots run fp8 x fp8 -> fp32, each K step's added to the fp32 sum (Hopper's fp8
+tensor cores sum a long K in reduced precision), scaled at the end (channels) or at each step (blocks:
+BLOCK_K divides 128, so a step lies in one group). The rounding is the dense fp8 products' (kernels/fp8_gemm.py).
+
 A block reads its expert's weight tile once for all its slots; at decode (a few pairs an expert,
 16- or 32-slot blocks) each touched expert's weights are streamed about once. Block sizes come from
 TUNED (benchmarks/fused_moe.py --tune prints its entries) or `default_config`. Nothing is read back
@@ -27,6 +33,8 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.device import device_index, num_sms, pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.e4m3 import FP8, GROUP, quantize_weight_ref, round_ref
+from batchgen.kernels.fp8_gemm import quantize
 from batchgen.kernels.moe_align import moe_align
 
 
@@ -43,7 +51,18 @@ class MoeConfig(NamedTuple):
     down: GemmTile
 
 
+class Fp8Experts(NamedTuple):
+    """FP8 experts: w13_scale per output channel [E, 2I] and w2_scale [E, H], or per 128x128 block
+    [E, 2 * ceil(I/128), ceil(H/128)] (the gate's block rows, then the up's) and [E, ceil(H/128), ceil(I/128)];
+    None where the weights were dequantized at load (the CPU), whose inputs are still rounded. block: scales
+    by block and inputs rounded per group of 128 columns, else per channel and per token."""
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+    block: bool
+
+
 GROUP_M = tl.constexpr(8)  # blocks whose column tiles run together (_program_tile)
+SCALE_GROUP = tl.constexpr(GROUP)  # columns a block scale (and an input's group scale) covers
 
 # (GPU name, H, I, E, k) -> {T: config}: block sizes timed best by benchmarks/fused_moe.py --tune; a
 # batch of T tokens takes the entry of the nearest tuned T at or above it (else the largest)
@@ -64,6 +83,11 @@ TUNED: dict[tuple[str, int, int, int, int], dict[int, MoeConfig]] = {
         8192: MoeConfig(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 4, 3)),
     },
 }
+
+
+# (GPU name, H, I, E, k, "channel" | "block") -> {T: config}: FP8 experts' block sizes (benchmarks/fused_moe.py
+# --tune --fp8 ...), taken as TUNED's
+TUNED_FP8: dict[tuple[str, int, int, int, int, str], dict[int, MoeConfig]] = {}
 
 
 def default_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
@@ -94,10 +118,16 @@ def _device_name(index: int) -> str:
 
 
 def pick_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
-                device: torch.device, dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
+                device: torch.device, dtype: torch.dtype = torch.bfloat16, fp8: str | None = None) -> MoeConfig:
     """TUNED's entry for this GPU and shape at the nearest tuned batch at or above num_tokens, else
     default_config; for fp32 (tests, tiny models) with half the K step and at most 3 stages, so its
-    tiles take the shared memory 16-bit ones do."""
+    tiles take the shared memory 16-bit ones do. fp8 ("channel" or "block" experts): TUNED_FP8's entry,
+    else the 16-bit tiles in fp8 (_fp8_tiles)."""
+    if fp8 is not None:
+        by_tokens = TUNED_FP8.get((_device_key(device), hidden, inter, num_experts, top_k, fp8))
+        if by_tokens:
+            return _nearest(by_tokens, num_tokens)
+        return _fp8_tiles(_pick_16bit_config(num_tokens, hidden, inter, num_experts, top_k, device), fp8 == "block")
     config = _pick_16bit_config(num_tokens, hidden, inter, num_experts, top_k, device)
     if dtype.itemsize <= 2:
         return config
@@ -106,25 +136,44 @@ def pick_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_
     return MoeConfig(config.block_m, gate_up, down)
 
 
-def _pick_16bit_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
-                       device: torch.device) -> MoeConfig:
-    is_cuda = device.type == "cuda"
-    name = _device_name(device_index(device)) if is_cuda else device.type
-    by_tokens = TUNED.get((name, hidden, inter, num_experts, top_k))
-    if not by_tokens:
-        return default_config(num_tokens, hidden, inter, num_experts, top_k, num_sms(device) if is_cuda else 132)
+def _fp8_tiles(config: MoeConfig, block: bool) -> MoeConfig:
+    """16-bit tiles for e4m3 weights: the K step twice as long (the same bytes a stage; at most 128 for blocks,
+    whose steps lie in one group), and column tiles narrow enough that a thread's fp32 tiles stay in its
+    registers: gate/up holds four [BLOCK_M, BLOCK_N] (two sums, two steps' dots), down two."""
+    def fp8(tile: GemmTile, tiles: int) -> GemmTile:
+        columns = 128 * 32 * tile.warps // (tiles * config.block_m)  # (<= 128 fp32 registers a thread)
+        return tile._replace(block_k=min(2 * tile.block_k, 128 if block else 256),
+                             block_n=max(16, min(tile.block_n, columns)))
+
+    return MoeConfig(config.block_m, fp8(config.gate_up, 4), fp8(config.down, 2))
+
+
+def _device_key(device: torch.device) -> str:
+    return _device_name(device_index(device)) if device.type == "cuda" else device.type
+
+
+def _nearest(by_tokens: dict[int, MoeConfig], num_tokens: int) -> MoeConfig:
     at_or_above = [t for t in by_tokens if t >= num_tokens]
     return by_tokens[min(at_or_above) if at_or_above else max(by_tokens)]
 
 
+def _pick_16bit_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
+                       device: torch.device) -> MoeConfig:
+    by_tokens = TUNED.get((_device_key(device), hidden, inter, num_experts, top_k))
+    if not by_tokens:
+        sms = num_sms(device) if device.type == "cuda" else 132
+        return default_config(num_tokens, hidden, inter, num_experts, top_k, sms)
+    return _nearest(by_tokens, num_tokens)
+
+
 def warmup_token_counts(hidden: int, inter: int, num_experts: int, top_k: int, max_tokens: int,
-                        device: torch.device, dtype: torch.dtype = torch.bfloat16) -> list[int]:
+                        device: torch.device, dtype: torch.dtype = torch.bfloat16, fp8: str | None = None) -> list[int]:
     """The fewest tokens of each distinct config pick_config gives for 1 .. max_tokens tokens: a
     warm-up that runs the layer at these counts compiles every kernel a job can meet (the kernels
     specialize on their config, never on the token count)."""
     seen, counts = set(), []
     for num_tokens in range(1, max_tokens + 1):
-        config = pick_config(num_tokens, hidden, inter, num_experts, top_k, device, dtype)
+        config = pick_config(num_tokens, hidden, inter, num_experts, top_k, device, dtype, fp8)
         if config not in seen:
             seen.add(config)
             counts.append(num_tokens)
@@ -202,9 +251,18 @@ def _gate_up_kernel(
     EVEN_N: tl.constexpr,  # inter % BLOCK_N == 0: no column masks on W
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (tf32 would round them to 10 bits)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
+    SCALES: tl.constexpr = None,  # e4m3 x and w: "channel" or "block" scales (Fp8Experts)
+    x_scale_ptr=None,  # [T, groups] fp32: x's row (or 128-column group) scales
+    x_scale_stride_t=0,
+    x_scale_stride_g=0,
+    w_scale_ptr=None,  # [E, 2I] or [E, 2 * ceil(I/128), ceil(H/128)] fp32 (Fp8Experts.w13_scale)
+    w_scale_stride_e=0,
+    w_scale_stride_n=0,  # between two channels (or block rows)
+    w_scale_stride_k=0,  # between two block columns
+    up_scale_row=0,  # the up half's first channel (I) or block row (ceil(I/128))
 ):
     pid_m, pid_n = _program_tile(max_blocks, inter, BLOCK_N)
-    wait_for_prior_kernels(PDL)  # the align wrote the slots
+    wait_for_prior_kernels(PDL)  # the align wrote the slots (and the rounding x)
     expert, pairs = _block_slots(sorted_ids_ptr, block_expert_ptr, num_padded_ptr, pid_m, BLOCK_M)
     if expert < 0:
         return
@@ -216,17 +274,38 @@ def _gate_up_kernel(
     x_ptrs = x_ptr + tokens[:, None] * x_stride_t + ks[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * w_stride_e + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]  # [BLOCK_K, BLOCK_N]
     u_ptrs = g_ptrs + inter * w_stride_n
+    if SCALES is not None:
+        x_scales = x_scale_ptr + tokens * x_scale_stride_t  # [BLOCK_M]
+        w_scales = w_scale_ptr + expert * w_scale_stride_e
+        gate_rows = cols // SCALE_GROUP if SCALES == "block" else cols  # [BLOCK_N]: the columns' scale rows
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         a = _load_rows(x_ptrs, pair_ok, ks < hidden - k0, EVEN_K)
         gate = _load_weight(g_ptrs, ks < hidden - k0, col_ok, EVEN_K, EVEN_N)
         up = _load_weight(u_ptrs, ks < hidden - k0, col_ok, EVEN_K, EVEN_N)
-        acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
+        if SCALES == "block":  # this K step's group: x's scales times each column's block scale
+            group = k0 // SCALE_GROUP
+            xs = tl.load(x_scales + group * x_scale_stride_g, mask=pair_ok, other=0.0)[:, None]
+            gs = tl.load(w_scales + gate_rows * w_scale_stride_n + group * w_scale_stride_k, mask=col_ok, other=0.0)
+            us = tl.load(w_scales + (up_scale_row + gate_rows) * w_scale_stride_n + group * w_scale_stride_k,
+                         mask=col_ok, other=0.0)
+            acc_gate += tl.dot(a, gate) * (xs * gs[None, :])
+            acc_up += tl.dot(a, up) * (xs * us[None, :])
+        elif SCALES == "channel":  # (a dot a step added in fp32: Hopper's fp8 dots sum a long K imprecisely)
+            acc_gate += tl.dot(a, gate)
+            acc_up += tl.dot(a, up)
+        else:
+            acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if SCALES == "channel":
+        xs = tl.load(x_scales, mask=pair_ok, other=0.0)[:, None]
+        acc_gate *= xs * tl.load(w_scales + gate_rows * w_scale_stride_n, mask=col_ok, other=0.0)[None, :]
+        up_scales = tl.load(w_scales + (up_scale_row + gate_rows) * w_scale_stride_n, mask=col_ok, other=0.0)
+        acc_up *= xs * up_scales[None, :]
     dtype = h_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
@@ -258,9 +337,17 @@ def _down_kernel(
     EVEN_N: tl.constexpr,  # hidden % BLOCK_N == 0: no column masks on W
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
+    SCALES: tl.constexpr = None,  # e4m3 h and w: "channel" or "block" scales (Fp8Experts)
+    h_scale_ptr=None,  # [T*k, groups] fp32: h's row (or 128-column group) scales
+    h_scale_stride_p=0,
+    h_scale_stride_g=0,
+    w_scale_ptr=None,  # [E, H] or [E, ceil(H/128), ceil(I/128)] fp32 (Fp8Experts.w2_scale)
+    w_scale_stride_e=0,
+    w_scale_stride_n=0,  # between two channels (or block rows)
+    w_scale_stride_k=0,  # between two block columns
 ):
     pid_m, pid_n = _program_tile(max_blocks, hidden, BLOCK_N)
-    wait_for_prior_kernels(PDL)  # h is the kernel before's output
+    wait_for_prior_kernels(PDL)  # h is the kernel before's output (its rounding's)
     expert, pairs = _block_slots(sorted_ids_ptr, block_expert_ptr, num_padded_ptr, pid_m, BLOCK_M)
     if expert < 0:
         return
@@ -270,13 +357,28 @@ def _down_kernel(
     ks = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * h_stride_p + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + expert * w_stride_e + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    if SCALES is not None:
+        h_scales = h_scale_ptr + pairs.to(tl.int64) * h_scale_stride_p  # [BLOCK_M]
+        w_scales = w_scale_ptr + expert * w_scale_stride_e
+        scale_rows = cols // SCALE_GROUP if SCALES == "block" else cols  # [BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         a = _load_rows(h_ptrs, pair_ok, ks < inter - k0, EVEN_K)
         w = _load_weight(w_ptrs, ks < inter - k0, col_ok, EVEN_K, EVEN_N)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if SCALES == "block":
+            group = k0 // SCALE_GROUP
+            hs = tl.load(h_scales + group * h_scale_stride_g, mask=pair_ok, other=0.0)[:, None]
+            ws = tl.load(w_scales + scale_rows * w_scale_stride_n + group * w_scale_stride_k, mask=col_ok, other=0.0)
+            acc += tl.dot(a, w) * (hs * ws[None, :])
+        elif SCALES == "channel":  # (as in _gate_up_kernel)
+            acc += tl.dot(a, w)
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SCALES == "channel":
+        acc *= (tl.load(h_scales, mask=pair_ok, other=0.0)[:, None]
+                * tl.load(w_scales + scale_rows * w_scale_stride_n, mask=col_ok, other=0.0)[None, :])
     route = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0)
     y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * y_stride_p + cols[None, :]
     tl.store(y_ptrs, (acc * route[:, None]).to(y_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
@@ -286,71 +388,154 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # (16-bit dots ignore it)
 
 
-def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, fp8: Fp8Experts | None = None) -> None:
     num_experts, two_inter, hidden = w13.shape
     assert x.dim() == 2 and x.shape[1] == hidden and two_inter % 2 == 0
     assert w2.shape == (num_experts, hidden, two_inter // 2)
     assert w13.stride(2) == 1 and w2.stride(2) == 1 and x.stride(1) == 1, "rows must be contiguous"
-    assert x.dtype == w13.dtype == w2.dtype
+    if fp8 is None:
+        assert x.dtype == w13.dtype == w2.dtype
+        return
+    assert w13.dtype == w2.dtype == FP8 and fp8.w13_scale is not None and fp8.w2_scale is not None
+    inter, blocks = two_inter // 2, triton.cdiv
+    want = ((num_experts, 2 * blocks(inter, GROUP), blocks(hidden, GROUP)), (num_experts, blocks(hidden, GROUP),
+            blocks(inter, GROUP))) if fp8.block else ((num_experts, two_inter), (num_experts, hidden))
+    assert (tuple(fp8.w13_scale.shape), tuple(fp8.w2_scale.shape)) == want, "scales of another form"
+
+
+def _scale_args(kind: str | None, rows_scale: torch.Tensor | None, weight_scale: torch.Tensor | None,
+                rows: str) -> dict:
+    """The kernels' scale arguments: the input's scales (named by `rows`: "x" or "h"), the weight's."""
+    if kind is None:
+        return {}
+    return {"SCALES": kind, f"{rows}_scale_ptr": rows_scale, f"{rows}_scale_stride_{'t' if rows == 'x' else 'p'}":
+            rows_scale.stride(0), f"{rows}_scale_stride_g": rows_scale.stride(1), "w_scale_ptr": weight_scale,
+            "w_scale_stride_e": weight_scale.stride(0), "w_scale_stride_n": weight_scale.stride(1),
+            "w_scale_stride_k": weight_scale.stride(2) if kind == "block" else 0}
 
 
 def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, top_k: int, aligned: tuple[torch.Tensor, ...],
-                 block_m: int, tile: GemmTile) -> torch.Tensor:
-    """Product 1 of the module's docstring: h [T*k, I] in x's dtype."""
+                 block_m: int, tile: GemmTile, fp8: Fp8Experts | None = None,
+                 x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Product 1 of the module's docstring: h [T*k, I] in out_dtype (x's by default). With fp8, x is e4m3
+    with its scales x_scale [T, groups]."""
     sorted_ids, block_expert, num_padded = aligned
     num_pairs, (_, two_inter, hidden) = x.shape[0] * top_k, w13.shape
     inter = two_inter // 2
-    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    h = torch.empty((num_pairs, inter), dtype=out_dtype or x.dtype, device=x.device)
     max_blocks = block_expert.numel()
+    kind = None if fp8 is None else "block" if fp8.block else "channel"
+    scales = _scale_args(kind, x_scale, None if fp8 is None else fp8.w13_scale, "x")
+    if kind is not None:  # (the up half's first scale row)
+        scales["up_scale_row"] = triton.cdiv(inter, GROUP) if fp8.block else inter
     _gate_up_kernel[(max_blocks * triton.cdiv(inter, tile.block_n),)](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), h, h.stride(0),
         sorted_ids, block_expert, num_padded, num_pairs, top_k, inter, hidden, max_blocks,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=hidden % tile.block_k == 0,
         EVEN_N=inter % tile.block_n == 0, DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=tile.warps, num_stages=tile.stages, **pdl_launch_args(x.device),
+        num_warps=tile.warps, num_stages=tile.stages, **pdl_launch_args(x.device), **scales,
     )
     return h
 
 
 def down_weighted(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, aligned: tuple[torch.Tensor, ...],
-                  block_m: int, tile: GemmTile) -> torch.Tensor:
-    """Product 2 of the module's docstring: y [T*k, H] in h's dtype, each pair's row times its weight."""
+                  block_m: int, tile: GemmTile, fp8: Fp8Experts | None = None,
+                  h_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Product 2 of the module's docstring: y [T*k, H] in out_dtype (h's by default), each pair's row times
+    its weight. With fp8, h is e4m3 with its scales h_scale [T*k, groups]."""
     sorted_ids, block_expert, num_padded = aligned
     num_pairs, (_, hidden, inter) = h.shape[0], w2.shape
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    y = torch.empty((num_pairs, hidden), dtype=h.dtype, device=h.device)
+    y = torch.empty((num_pairs, hidden), dtype=out_dtype or h.dtype, device=h.device)
     max_blocks = block_expert.numel()
+    kind = None if fp8 is None else "block" if fp8.block else "channel"
     _down_kernel[(max_blocks * triton.cdiv(hidden, tile.block_n),)](
         h, h.stride(0), w2, w2.stride(0), w2.stride(1), y, y.stride(0), weights,
         sorted_ids, block_expert, num_padded, num_pairs, hidden, inter, max_blocks,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter % tile.block_k == 0,
         EVEN_N=hidden % tile.block_n == 0, DOT_PRECISION=_dot_precision(h.dtype),
         num_warps=tile.warps, num_stages=tile.stages, **pdl_launch_args(h.device),
+        **_scale_args(kind, h_scale, None if fp8 is None else fp8.w2_scale, "h"),
     )
     return y
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
-    """The module's docstring's three steps after the align; config: pick_config's unless given."""
-    _check_weights(x, w13, w2)
+                     topk_ids: torch.Tensor, config: MoeConfig | None = None,
+                     fp8: Fp8Experts | None = None) -> torch.Tensor:
+    """The module's docstring's three steps after the align; config: pick_config's unless given. fp8: w13
+    and w2 are e4m3 with these scales, and x and h are rounded to e4m3 before their products."""
+    _check_weights(x, w13, w2, fp8)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     assert x.shape[0] == num_tokens and topk_weights.shape == topk_ids.shape
     if num_tokens == 0:
         return torch.empty_like(x)
-    config = config or pick_config(num_tokens, hidden, two_inter // 2, num_experts, top_k, x.device, x.dtype)
+    config = config or pick_config(num_tokens, hidden, two_inter // 2, num_experts, top_k, x.device, x.dtype,
+                                   None if fp8 is None else "block" if fp8.block else "channel")
     aligned = moe_align(topk_ids, num_experts, config.block_m)
-    h = gate_up_silu(x, w13, top_k, aligned, config.block_m, config.gate_up)
-    y = down_weighted(h, w2, topk_weights, aligned, config.block_m, config.down)
+    if fp8 is None:
+        h = gate_up_silu(x, w13, top_k, aligned, config.block_m, config.gate_up)
+        y = down_weighted(h, w2, topk_weights, aligned, config.block_m, config.down)
+    else:
+        group = GROUP if fp8.block else None  # (the inputs' rounding: per token, or per group of 128)
+        xq, x_scale = quantize(x, group=group)
+        h = gate_up_silu(xq, w13, top_k, aligned, config.block_m, config.gate_up, fp8, x_scale, x.dtype)
+        hq, h_scale = quantize(h, group=group)
+        y = down_weighted(hq, w2, topk_weights, aligned, config.block_m, config.down, fp8, h_scale, x.dtype)
     return y.view(num_tokens, top_k, hidden).sum(1) if top_k > 1 else y  # (fp32 sums, rounded once)
 
 
+def dequantize_experts(w13: torch.Tensor, w2: torch.Tensor, fp8: Fp8Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 experts' e4m3 weights times their scales, fp32 (Fp8Experts: a block grid's gate and up halves
+    each start at a block boundary)."""
+    inter, hidden = w2.shape[2], w2.shape[1]
+    if not fp8.block:
+        return w13.float() * fp8.w13_scale[..., None], w2.float() * fp8.w2_scale[..., None]
+
+    def spread(grid: torch.Tensor, rows: int, cols: int) -> torch.Tensor:  # [E, r, c] blocks -> elements
+        return grid.repeat_interleave(GROUP, 1).repeat_interleave(GROUP, 2)[:, :rows, :cols]
+
+    half = triton.cdiv(inter, GROUP)
+    w13_scale = torch.cat([spread(fp8.w13_scale[:, :half], inter, hidden),
+                           spread(fp8.w13_scale[:, half:], inter, hidden)], dim=1)
+    return w13.float() * w13_scale, w2.float() * spread(fp8.w2_scale, hidden, inter)
+
+
+def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, block: bool) -> tuple[torch.Tensor, torch.Tensor, Fp8Experts]:
+    """16/32-bit experts in e4m3 with scales per output channel, or per 128x128 block (the gate and up
+    halves each their own grid): (w13, w2, their Fp8Experts), as --quantization fp8 and the tests take them."""
+    inter = w2.shape[2]
+
+    def each(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [E, N, K]
+        if not block:  # (a row's scale is its own: all experts' rows at once)
+            q, s = quantize_weight_ref(w.reshape(-1, w.shape[2]))
+            return q.view(w.shape), s.view(w.shape[:2])
+        q, s = zip(*(quantize_weight_ref(e, block=True) for e in w))
+        return torch.stack(q), torch.stack(s)
+
+    if block:
+        (qg, sg), (qu, su) = each(w13[:, :inter]), each(w13[:, inter:])
+        q13, s13 = torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1)
+    else:
+        q13, s13 = each(w13)
+    q2, s2 = each(w2)
+    return q13, q2, Fp8Experts(s13, s2, block)
+
+
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
+                        topk_ids: torch.Tensor, fp8: Fp8Experts | None = None) -> torch.Tensor:
     """The definition, in fp32 and rounded where the kernels round (gate and up, silu(gate) * up, each
     pair's weighted output to x's dtype; their sum over the k once). The CPU's path: one pass per expert
-    that has pairs (its rows gathered, two products), never per token."""
+    that has pairs (its rows gathered, two products), never per token. fp8: x and h rounded to e4m3 as
+    the kernels round them, and the weights dequantized first (unless the scales are None: already)."""
+    if fp8 is not None and fp8.w13_scale is not None:
+        w13, w2 = dequantize_experts(w13, w2, fp8)
+    group = GROUP if fp8 is not None and fp8.block else None
+
+    def rounded(rows: torch.Tensor) -> torch.Tensor:  # (fp32)
+        return rows.float() if fp8 is None else round_ref(rows, group=group)
+
     num_tokens, k = topk_ids.shape
     inter = w2.shape[2]
     flat_ids = topk_ids.reshape(-1).long()
@@ -366,21 +551,21 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate_up = F.linear(x.index_select(0, tokens[rows]).float(), w13[expert].float()).to(x.dtype).float()
-        h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype).float()
-        y = F.linear(h, w2[expert].float()) * weights[rows, None]
+        gate_up = F.linear(rounded(x.index_select(0, tokens[rows])), w13[expert].float()).to(x.dtype).float()
+        h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+        y = F.linear(rounded(h), w2[expert].float()) * weights[rows, None]
         pairs.index_copy_(0, order[rows], y.to(x.dtype).float())
         start += count
     return pairs.view(num_tokens, k, -1).sum(dim=1).to(x.dtype)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, fp8: Fp8Experts | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k] int32 -> [T, H]
-    in x's dtype: the Triton path on a GPU, the reference on CPU."""
+    in x's dtype: the Triton path on a GPU, the reference on CPU. fp8: FP8 experts (Fp8Experts)."""
     if x.is_cuda:
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, fp8=fp8)
+    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, fp8)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

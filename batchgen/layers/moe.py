@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.kernels.e4m3 import FP8, dequantize_weight_ref
-from batchgen.kernels.fused_moe import fused_moe, select_experts
+from batchgen.kernels.e4m3 import FP8, GROUP
+from batchgen.kernels.fused_moe import Fp8Experts, dequantize_experts, fused_moe, quantize_experts, select_experts
 from batchgen.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 
@@ -24,7 +24,8 @@ from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 class FusedExperts(nn.Module):
     """Every expert's gate/up and down as two stacked weights: w13 [E, 2 I / tp, H] (this rank's gate
     rows, then its up rows) and w2 [E, H, I / tp]. Loads one expert's gate_proj/up_proj/down_proj
-    (Mixtral's w1/w3/w2), or transformers 5's fused gate_up_proj [E, 2I, H] / down_proj [E, H, I]."""
+    (Mixtral's w1/w3/w2), or transformers 5's fused gate_up_proj [E, 2I, H] / down_proj [E, H, I].
+    FP8 experts (accept_fp8) keep e4m3 weights with scales on a GPU (kernels/fused_moe.Fp8Experts)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -35,32 +36,38 @@ class FusedExperts(nn.Module):
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
         self.num_experts = num_experts
-        self.loaded: set[str] = set()  # the shards weight_loader filled (a checkpoint may lack an expert)
-        self.pending: dict[str, dict[str, torch.Tensor]] | None = None  # (accept_fp8) shard -> weight / scale
+        self.loaded: set[str] = set()  # the shards the loaders filled ("gate:3", and "gate:3:scale" for fp8)
+        self.fp8: Fp8Experts | None = None
+        self.quantize_at_load = False
 
-    def accept_fp8(self) -> None:
-        """An FP8 checkpoint's experts: each expert's e4m3 weight and its scale (per output channel, per
-        tensor or per 128x128 block; shard "gate:E:scale" and so on) are dequantized into the model's dtype
-        as both arrive, so the experts run in that dtype (the fused MoE has no fp8 form yet)."""
-        self.pending = {}
-        for param in (self.w13, self.w2):
-            param.takes_fp8 = True  # (the loader hands these their checkpoint tensors as they are)
+    def accept_fp8(self, block: bool, quantize_at_load: bool = False) -> None:
+        """FP8 experts, before loading: e4m3 weights with fp32 scales per output channel (a per-tensor
+        checkpoint scale is spread over its rows) or per 128x128 block (block; each rank's slice of I must
+        be whole blocks where tp > 1). quantize_at_load: the checkpoint's weights are 16/32-bit, quantized
+        per channel after loading (--quantization fp8)."""
+        self.quantize_at_load = quantize_at_load
+        if quantize_at_load:
+            self.fp8 = Fp8Experts(None, None, block=False)
+            return
+        num_experts, two_inter, hidden = self.w13.shape
+        for name, shape in (("w13", (num_experts, two_inter, hidden)), ("w2", (num_experts, hidden, self.inter))):
+            setattr(self, name, _param(torch.empty(shape, dtype=FP8, device=self.w13.device), self.weight_loader))
+        if block:
+            w13_grid = (num_experts, 2 * _blocks(self.inter), _blocks(hidden))
+            w2_grid = (num_experts, _blocks(hidden), _blocks(self.inter))
+        else:
+            w13_grid, w2_grid = (num_experts, two_inter), (num_experts, hidden)
+        self.w13_scale = _param(torch.zeros(w13_grid, device=self.w13.device), self.scale_loader)
+        self.w2_scale = _param(torch.zeros(w2_grid, device=self.w13.device), self.scale_loader)
+        self.fp8 = Fp8Experts(self.w13_scale, self.w2_scale, block)
 
-    def _rank_slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
-        return loaded.narrow(dim, self.tp.rank * self.inter, self.inter)
+    def _rank_slice(self, loaded: torch.Tensor, dim: int, size: int | None = None) -> torch.Tensor:
+        size = size or self.inter
+        return loaded.narrow(dim, self.tp.rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         """shard: "gate:E", "up:E", "down:E" (one expert's [I, H], [I, H], [H, I]), or "gate_up" / "down"
-        (all experts' [E, 2I, H] / [E, H, I]); after accept_fp8 also an e4m3 weight and its scale
-        (the shard with ":scale"), in either order."""
-        if self.pending is not None and (shard.endswith(":scale") or loaded.dtype == FP8):
-            shard, kind = shard.removesuffix(":scale"), "scale" if shard.endswith(":scale") else "weight"
-            waiting = self.pending.setdefault(shard, {})
-            waiting[kind] = loaded
-            if len(waiting) < 2:
-                return
-            del self.pending[shard]
-            loaded = dequantize_weight_ref(waiting["weight"], waiting["scale"])
+        (all experts' [E, 2I, H] / [E, H, I])."""
         self.loaded.add(shard)
         part, _, expert = shard.partition(":")
         if part == "gate_up":
@@ -76,19 +83,73 @@ class FusedExperts(nn.Module):
             offset = 0 if part == "gate" else self.inter
             _fill(param.data[int(expert), offset:offset + self.inter], self._rank_slice(loaded, 0))
 
+    def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        """One expert's weight scale (shard "gate:E", "up:E" or "down:E"): per tensor (spread over the rows),
+        per output channel ([N] or [N, 1]), or its 128x128 block grid; this rank's rows (or columns) of it."""
+        self.loaded.add(f"{shard}:scale")
+        part, _, expert = shard.partition(":")
+        e, loaded = int(expert), loaded.float()
+        if self.fp8.block:
+            if part == "down":  # (down's K is I: this rank's block columns)
+                _fill(param.data[e], self._rank_slice(loaded, 1, _blocks(self.inter)))
+            else:
+                rows = _blocks(self.inter)
+                offset = 0 if part == "gate" else rows
+                _fill(param.data[e, offset:offset + rows], self._rank_slice(loaded, 0, rows))
+            return
+        rows = loaded.reshape(-1)
+        if part == "down":
+            _fill(param.data[e], rows.expand(param.shape[1]) if rows.numel() == 1 else rows)
+            return
+        offset = 0 if part == "gate" else self.inter
+        mine = rows.expand(self.inter) if rows.numel() == 1 else self._rank_slice(rows, 0)
+        _fill(param.data[e, offset:offset + self.inter], mine)
+
     def missing_weights(self) -> list[str]:
         """The experts' weights no checkpoint tensor filled: "gate:E", "up:E", "down:E" (an fp8 one: with
         its scale or its weight missing)."""
-        halves = [f"{shard} ({'its scale' if 'weight' in got else 'its e4m3 weight'} missing)"
-                  for shard, got in (self.pending or {}).items()]
-        return halves + [f"{part}:{e}" for e in range(self.num_experts) for part in ("gate", "up", "down")
-                         if f"{part}:{e}" not in self.loaded
-                         and ("down" if part == "down" else "gate_up") not in self.loaded
-                         and f"{part}:{e}" not in (self.pending or {})]
+        scaled = self.fp8 is not None and not self.quantize_at_load
+        gaps = []
+        for e in range(self.num_experts):
+            for part in ("gate", "up", "down"):
+                shard = f"{part}:{e}"
+                weight = shard in self.loaded or ("down" if part == "down" else "gate_up") in self.loaded
+                scale = f"{shard}:scale" in self.loaded
+                if not weight and not scale:
+                    gaps.append(shard)
+                elif scaled and not (weight and scale):
+                    gaps.append(f"{shard} ({'its scale' if weight else 'its e4m3 weight'} missing)")
+        return gaps
+
+    def finish_fp8(self, dtype: torch.dtype) -> None:
+        """After loading FP8 experts: quantize_at_load quantizes each expert's rows; then on a CPU the
+        weights are dequantized into dtype (the inputs are still rounded to e4m3 in forward), on a GPU the
+        e4m3 weights and scales stay."""
+        if self.quantize_at_load:
+            w13, w2, self.fp8 = quantize_experts(self.w13.data, self.w2.data, block=False)
+            self.w13, self.w2 = _param(w13), _param(w2)
+            self.w13_scale, self.w2_scale = _param(self.fp8.w13_scale), _param(self.fp8.w2_scale)
+        if self.w13.device.type == "cuda":
+            return
+        w13, w2 = dequantize_experts(self.w13.data, self.w2.data, self.fp8)
+        self.w13, self.w2 = _param(w13.to(dtype)), _param(w2.to(dtype))
+        self.w13_scale = self.w2_scale = None
+        self.fp8 = Fp8Experts(None, None, self.fp8.block)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """-> this rank's partial sums [T, H]."""
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)  # (the torch reference on CPU)
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.fp8)  # (the torch reference on CPU)
+
+
+def _blocks(n: int) -> int:
+    return -(-n // GROUP)
+
+
+def _param(tensor: torch.Tensor, loader=None) -> nn.Parameter:
+    param = nn.Parameter(tensor, requires_grad=False)
+    if loader is not None:
+        param.weight_loader = loader
+    return param
 
 
 def _fill(target: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -120,11 +181,13 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.gate = ColumnParallelLinear(hidden, num_experts, False, SINGLE)  # the router, whole on every rank
+        self.gate.routes_tokens = True  # (--quantization fp8 leaves it in the model's dtype: models/fp8_layers.py)
         self.experts = FusedExperts(num_experts, hidden, intermediate, tp)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate:
             self.shared_expert = SharedExpert(hidden, shared_intermediate, tp)
             self.shared_expert_gate = ColumnParallelLinear(hidden, 1, False, SINGLE)
+            self.shared_expert_gate.routes_tokens = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""

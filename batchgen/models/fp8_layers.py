@@ -36,18 +36,34 @@ def _check_blocks(layer, name: str) -> None:
         )
 
 
+def _check_expert_blocks(experts: FusedExperts, name: str) -> None:
+    """128x128 blocks under TP: each rank's slice of an expert's intermediate features is whole blocks."""
+    if experts.tp.size > 1 and experts.inter % BLOCK:
+        raise UnsupportedModelError(
+            f"{name}: 128x128 FP8 blocks need each tensor-parallel slice of the experts' "
+            f"{experts.inter * experts.tp.size} intermediate features to span whole blocks of 128; {experts.inter} "
+            f"do not (try another --tensor-parallel-size)"
+        )
+
+
 def apply_scheme(model, scheme: Fp8Scheme, packed_modules_mapping: dict) -> list:
     """Make each quantized linear layer of the decoder FP8 (layers/fp8.make_fp8), before loading; the
     LM head and embeddings stay as they are. -> the FP8 layers. A merged layer (q/k/v, gate/up) must
-    have all of its checkpoint modules quantized or none. An MoE layer's quantized experts take their
-    e4m3 weights and scales and dequantize them (layers/moe.FusedExperts.accept_fp8)."""
+    have all of its checkpoint modules quantized or none. An MoE layer's quantized experts keep their
+    e4m3 weights and scales (layers/moe.FusedExperts.accept_fp8); --quantization fp8 leaves its routers
+    (and a shared expert's gate) in the model's dtype, as vLLM does."""
     form = layer_form(scheme)
     checkpoint_module = getattr(model, "checkpoint_module", lambda name: name)
     layers = []
     for name, module in model.named_modules():
         if isinstance(module, FusedExperts) and scheme.quantizes(f"model.{checkpoint_module(name)}.0.gate_proj"):
-            module.accept_fp8()
+            if scheme.weights == "block":
+                _check_expert_blocks(module, f"model.{name}")
+            module.accept_fp8(scheme.weights == "block", scheme.quantize_at_load)
+            layers.append(module)
         if not isinstance(module, PackableWeight) or module is model.lm_head:
+            continue
+        if scheme.quantize_at_load and getattr(module, "routes_tokens", False):
             continue
         parent, ours = name.rsplit(".", 1)
         theirs = [t for t, (o, _) in packed_modules_mapping.items() if o == ours] or [ours]

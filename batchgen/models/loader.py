@@ -12,6 +12,7 @@ from torch import nn
 
 from batchgen.kernels.device import use_pdl
 from batchgen.layers.fp8 import E4M3, finish_fp8
+from batchgen.layers.moe import FusedExperts
 from batchgen.models.fp8_layers import apply_scheme
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -72,9 +73,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                 param = params.get(ours)
                 if param is None:
                     raise ValueError(f"checkpoint weight {name!r} has no place in the model")
-                tensor = f.get_tensor(name)
-                if not getattr(param, "takes_fp8", False):  # (FP8 experts dequantize their own: layers/moe.py)
-                    tensor = _fp8_checked(name, tensor, param).to(param.dtype)
+                tensor = _fp8_checked(name, f.get_tensor(name), param).to(param.dtype)
                 loader = getattr(param, "weight_loader", None)
                 if loader is None:
                     param.data.copy_(tensor)
@@ -158,6 +157,6 @@ def build_model(
         fill_dummy_weights(model, seed)
     else:
         load_weights(model, model_dir)
-    for layer in fp8_layers:
-        finish_fp8(layer, dtype)
+    for layer in fp8_layers:  # (an MoE layer's experts finish their own)
+        layer.finish_fp8(dtype) if isinstance(layer, FusedExperts) else finish_fp8(layer, dtype)
     return model.eval()

@@ -59,10 +59,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         (the loader's packed_modules_mapping then names it). Mixtral's block_sparse_moe is our mlp."""
         name = name.replace(".block_sparse_moe.", ".mlp.")
         if m := EXPERT_WEIGHT.match(name):
-            if m["proj"] in EXPERT_PROJ:  # (an FP8 checkpoint's scale: the shard with ":scale")
+            if m["proj"] in EXPERT_PROJ:  # (an FP8 checkpoint's scale: the weight's, w13_scale or w2_scale)
                 ours, part = EXPERT_PROJ[m["proj"]]
-                scale = ":scale" if m["kind"] == "weight_scale" else ""
-                return f"{m['layer']}.mlp.experts.{ours}", f"{part}:{m['expert']}{scale}"
+                scale = "_scale" if m["kind"] == "weight_scale" else ""
+                return f"{m['layer']}.mlp.experts.{ours}{scale}", f"{part}:{m['expert']}"
         if m := FUSED_EXPERTS.match(name):
             ours, part = ("w13", "gate_up") if m["proj"] == "gate_up_proj" else ("w2", "down")
             return f"{m['layer']}.mlp.experts.{ours}", part

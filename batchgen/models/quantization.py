@@ -115,11 +115,8 @@ def checkpoint_scheme(raw_config: dict) -> Fp8Scheme | None:
 def resolve_scheme(checkpoint: Fp8Scheme | None, quantization: str | None, moe: bool = False) -> Fp8Scheme | None:
     """The scheme a model runs: its checkpoint's, or QUANTIZE_AT_LOAD for --quantization fp8 on an
     unquantized checkpoint (on a quantized one: UnsupportedModelError). moe: a mixture-of-experts model,
-    whose experts are dequantized as they load: its FP8 checkpoint runs, unless its activations take
-    static scales (which the experts would ignore); --quantization fp8 is refused for it."""
-    if moe and quantization is not None:
-        raise UnsupportedModelError("--quantization fp8 does not cover mixture-of-experts models yet: leave it "
-                                    "out (an FP8 checkpoint of the model needs none)")
+    whose FP8 checkpoint runs unless its activations take static scales (the experts round theirs
+    dynamically)."""
     if moe and checkpoint is not None and checkpoint.activations == "tensor-static":
         raise UnsupportedModelError("FP8 mixture-of-experts checkpoints with static activation scales "
                                     "(input_scale) are not supported yet; a dynamic one (*-FP8-dynamic, or "

@@ -1,10 +1,18 @@
 """On a GPU: the fused MoE at the shapes of qwen3-30b-a3b (also its TP=2 shard) and mixtral-8x7b
-against its reference with the block sizes pick_config gives, both aligns (the Triton kernels, the
-torch ops) at real sizes, and the router + fused MoE captured in a CUDA graph and replayed on new inputs."""
+against its reference with the block sizes pick_config gives, in bf16 and with FP8 experts (per channel
+and in 128x128 blocks), both aligns (the Triton kernels, the torch ops) at real sizes, and the router +
+fused MoE captured in a CUDA graph and replayed on new inputs."""
 import pytest
 import torch
 
-from batchgen.kernels.fused_moe import fused_moe, fused_moe_reference, fused_moe_triton, pick_config, select_experts
+from batchgen.kernels.fused_moe import (
+    fused_moe,
+    fused_moe_reference,
+    fused_moe_triton,
+    pick_config,
+    quantize_experts,
+    select_experts,
+)
 from batchgen.kernels.moe_align import TRITON_MAX_PAIRS, moe_align_torch, moe_align_triton
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -37,6 +45,21 @@ def test_model_shapes(shape, num_tokens, dtype):
     torch.testing.assert_close(got, fused_moe_reference(x, w13, w2, weights, ids), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
+@pytest.mark.parametrize("shape,num_tokens", [(QWEN3, t) for t in (1, 256, 2048)] + [(QWEN3_TP2, 64), (MIXTRAL, 64)])
+def test_fp8_experts(shape, num_tokens, block):
+    """FP8 experts against the reference's fp32 math on the dequantized weights with the inputs rounded alike:
+    bf16 outputs, and a value of h may round one e4m3 step apart where its bf16 sum lands on a boundary."""
+    w13, w2, fp8 = quantize_experts(*layer(**shape), block)
+    torch.manual_seed(1)
+    x = torch.randn(num_tokens, shape["hidden"], device="cuda", dtype=torch.bfloat16)
+    weights, ids = select_experts(torch.randn(num_tokens, shape["num_experts"], device="cuda"), shape["top_k"], True)
+    got = fused_moe(x, w13, w2, weights, ids, fp8).float()
+    want = fused_moe_reference(x, w13, w2, weights, ids, fp8).float()
+    err = (got - want).abs()
+    assert err.mean() < 0.01 * want.abs().mean() and (err > 0.05 * want.abs().max()).float().mean() < 1e-3
+
+
 def test_batch_invariant():
     """With the same config, a token's output is the same bits alone and among other tokens (no
     atomics; a row's sums do not depend on the other rows of its block)."""
@@ -64,17 +87,20 @@ def test_aligns_agree(num_tokens, num_experts, top_k, block_m):
     assert torch.equal(triton_ids[:used], torch_ids[:used])
 
 
+@pytest.mark.parametrize("fp8", [None, "block"])
 @pytest.mark.parametrize("num_tokens", [4, 256, 2048])  # (2048 * 8 pairs: the torch align)
-def test_cuda_graph_replay(num_tokens):
-    """Router, align and products captured once, replayed on other tokens and logits: nothing in the
-    layer depends on values read back to the host."""
+def test_cuda_graph_replay(num_tokens, fp8):
+    """Router, align, the inputs' rounding and the products captured once, replayed on other tokens and
+    logits: nothing in the layer depends on values read back to the host."""
     w13, w2 = layer(**QWEN3)
+    if fp8:
+        w13, w2, fp8 = quantize_experts(w13, w2, block=True)
     x = torch.zeros(num_tokens, QWEN3["hidden"], device="cuda", dtype=torch.bfloat16)
     logits = torch.zeros(num_tokens, QWEN3["num_experts"], device="cuda")
 
     def step():
         weights, ids = select_experts(logits, QWEN3["top_k"], True)
-        return fused_moe(x, w13, w2, weights, ids)
+        return fused_moe(x, w13, w2, weights, ids, fp8)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -90,4 +116,9 @@ def test_cuda_graph_replay(num_tokens):
         logits.copy_(torch.randn_like(logits) * 2)
         graph.replay()
         weights, ids = select_experts(logits, QWEN3["top_k"], True)
-        torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, weights, ids), **TOLERANCE[torch.bfloat16])
+        want = fused_moe_reference(x, w13, w2, weights, ids, fp8)
+        if fp8:  # (test_fp8_experts's measure: a value of h may round one e4m3 step apart)
+            err = (out.float() - want.float()).abs()
+            assert err.mean() < 0.01 * want.float().abs().mean()
+        else:
+            torch.testing.assert_close(out, want, **TOLERANCE[torch.bfloat16])

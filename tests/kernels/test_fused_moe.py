@@ -5,18 +5,22 @@ import torch
 import torch.nn.functional as F
 
 import batchgen.kernels.fused_moe as fused_moe_module
+from batchgen.kernels.e4m3 import dequantize_weight_ref, quantize_ref, quantize_weight_ref, round_ref
 from batchgen.kernels.fused_moe import (
     GemmTile,
     MoeConfig,
     default_config,
+    dequantize_experts,
     fused_moe_reference,
     fused_moe_triton,
     pick_config,
+    quantize_experts,
     select_experts,
     select_experts_reference,
     warmup_token_counts,
 )
 from batchgen.kernels.moe_align import max_slots, moe_align_torch, moe_align_triton
+from tests.kernels.conftest import HAS_CUDA, INTERPRET
 
 # Interpreter-sized tiles: 16-slot blocks, 16 columns, 32-wide K steps (K and N of the cases below are
 # not all whole steps); a 32-slot block for the align's other padding
@@ -171,3 +175,76 @@ def test_pick_config(monkeypatch):
     defaults = warmup_token_counts(4096, 14336, 8, 2, 1024, cpu)
     assert defaults[0] == 1 and {pick_config(t, 4096, 14336, 8, 2, cpu) for t in range(1, 1025)} == {
         pick_config(t, 4096, 14336, 8, 2, cpu) for t in defaults}
+
+
+# (T, E, k, H, I, routing, config): H and I not whole 128-groups, more than one group, and one block of
+# each expert's pairs full (fp8 dots take K steps of 32 or more on a GPU)
+FP8_CASES = [(3, 8, 2, 64, 48, "random", SMALL), (17, 4, 2, 160, 144, "random", SMALL),
+             (17, 4, 1, 64, 32, "one_expert", MoeConfig(32, GemmTile(32, 32, 4, 1), GemmTile(16, 32, 4, 1)))]
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inter,kind,config", FP8_CASES)
+def test_fused_moe_fp8(device, monkeypatch, block, num_tokens, num_experts, top_k, hidden, inter, kind, config):
+    """e4m3 experts with channel or 128x128-block scales, fp32 x and h rounded to e4m3 (per token, or per
+    128-group): the kernels against the reference's fp32 math on the dequantized weights. (Under the
+    interpreter the rows are rounded by the torch definition: the interpreter's rounding kernel drops
+    some carries, tests/kernels/test_fp8_gemm.py.)"""
+    if INTERPRET and not HAS_CUDA:
+        monkeypatch.setattr(fused_moe_module, "quantize", lambda rows, group: quantize_ref(rows, group=group))
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(num_tokens, num_experts, top_k, hidden, inter, torch.float32,
+                                                    device, kind)
+    # rows and 128-column blocks of very different sizes: a scale taken from the wrong row, half or block shows
+    gen = torch.Generator().manual_seed(3)
+    w13 = w13 * 2.0 ** torch.randint(-3, 4, (num_experts, 2 * inter, 1), generator=gen).to(device)
+    w13[:, :, 128:] *= 4
+    w2 = w2 * 2.0 ** torch.randint(-3, 4, (num_experts, hidden, 1), generator=gen).to(device)
+    w2[:, :, 128:] /= 4
+    q13, q2, fp8 = quantize_experts(w13, w2, block)
+    got = fused_moe_triton(x, q13, q2, topk_weights, topk_ids, config, fp8=fp8).float()
+    want = fused_moe_reference(x, q13, q2, topk_weights, topk_ids, fp8).float()
+    # (fp32 rows: 16-bit ones are the GPU tests'. A sum in another order may still move a value of h one e4m3
+    # step where it lies on a rounding boundary, which moves its token's outputs by a few percent)
+    err = (got - want).abs()
+    assert err.mean() < 1e-3 * want.abs().mean() and (err > 1e-4 * want.abs().max()).float().mean() < 0.02
+    unrounded = fused_moe_reference(x, *dequantize_experts(q13, q2, fp8), topk_weights, topk_ids).float()
+    assert (got - unrounded).abs().max() > 0  # (the inputs were rounded)
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
+def test_fp8_reference_is_the_formula(block):
+    """The fp8 reference: out[t] = sum_j w[t, j] * (r(silu(r(x[t]) Wg^T) * (r(x[t]) Wu^T))) Wd^T, with r the
+    e4m3 rounding of a row (per token or per group of 128) and W the dequantized weights, token by token."""
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(5, 4, 2, 160, 136, torch.float32, "cpu")
+    q13, q2, fp8 = quantize_experts(w13, w2, block)
+    wd13, wd2 = dequantize_experts(q13, q2, fp8)
+    group = 128 if block else None
+    for e in range(4):  # the scales as published: gate, up and down each alone
+        for w, q, rows in ((w13[e, :136], q13[e, :136], slice(0, 136)), (w13[e, 136:], q13[e, 136:], slice(136, 272)),
+                           (w2[e], q2[e], slice(None))):
+            scale = quantize_weight_ref(w, block)[1]
+            assert torch.equal((wd13 if w.shape[0] == 136 else wd2)[e, rows], dequantize_weight_ref(q, scale))
+    want = torch.zeros_like(x)
+    for t in range(5):
+        xr = round_ref(x[t:t + 1], group=group)[0]
+        for j in range(2):
+            e = int(topk_ids[t, j])
+            h = F.silu(wd13[e, :136] @ xr) * (wd13[e, 136:] @ xr)
+            want[t] += topk_weights[t, j] * (wd2[e] @ round_ref(h[None], group=group)[0])
+    torch.testing.assert_close(fused_moe_reference(x, q13, q2, topk_weights, topk_ids, fp8), want)
+
+
+def test_pick_config_for_fp8_experts(monkeypatch):
+    """FP8 experts: TUNED_FP8's entry for the form where there is one; else the 16-bit tiles with K steps twice
+    as long (at most 128 for blocks, a group) and column tiles whose fp32 sums fit a thread's registers."""
+    tuned = {1024: MoeConfig(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 3))}
+    monkeypatch.setattr(fused_moe_module, "TUNED", {("cpu", 2048, 768, 128, 8): tuned})
+    cpu = torch.device("cpu")
+    channel = pick_config(1024, 2048, 768, 128, 8, cpu, fp8="channel")
+    assert channel == MoeConfig(128, GemmTile(64, 128, 8, 4), GemmTile(128, 128, 8, 3))  # (4 x 128 x 64 / 256)
+    block = pick_config(1024, 2048, 768, 128, 8, cpu, fp8="block")
+    assert block.gate_up.block_k == block.down.block_k == 128
+    mine = MoeConfig(64, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))
+    monkeypatch.setattr(fused_moe_module, "TUNED_FP8", {("cpu", 2048, 768, 128, 8, "block"): {4096: mine}})
+    assert pick_config(1024, 2048, 768, 128, 8, cpu, fp8="block") == mine
+    assert pick_config(1024, 2048, 768, 128, 8, cpu, fp8="channel") == channel
