@@ -34,6 +34,8 @@ MODEL_CLASSES = {
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
 DUMMY_STD = 0.02  # the spread of dummy weights (transformers' initializer_range): activations stay finite
+DUMMY_FP8_SPREAD = 64.0  # dummy e4m3 weights' spread before their scale (well inside e4m3's +-448)
+DUMMY_INPUT_SCALE = 0.02  # a dummy static activation scale: rows of a few units stay inside e4m3's range
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -95,14 +97,26 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
 def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights, normal * DUMMY_STD (norm weights 1), the same for a seed on every run. Each
     parameter draws from its own generator seeded by (seed, its index), so the tensor-parallel ranks
-    fill their replicated parameters (norms, routers) alike."""
+    fill their replicated parameters (norms, routers) alike. An FP8 checkpoint's config: e4m3 weights of
+    normal * DUMMY_FP8_SPREAD with every weight scale DUMMY_STD / DUMMY_FP8_SPREAD (the same spread once
+    dequantized), static input scales DUMMY_INPUT_SCALE."""
     for index, (name, param) in enumerate(model.named_parameters()):
         if hasattr(param, "weight_loader"):
             del param.weight_loader  # (as load_weights does: it ties the parameter to its module)
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
             continue
+        if name.endswith("input_scale"):
+            param.data.fill_(DUMMY_INPUT_SCALE)
+            continue
+        if name.endswith("_scale"):  # (weight_scale, w13_scale, w2_scale)
+            param.data.fill_(DUMMY_STD / DUMMY_FP8_SPREAD)
+            continue
         gen = torch.Generator(param.device).manual_seed((seed * 1_000_003 + index) % 2**63)
+        if param.dtype == E4M3:  # (torch draws no normal numbers in e4m3)
+            values = torch.randn(param.shape, generator=gen, device=param.device) * DUMMY_FP8_SPREAD
+            param.data.copy_(values.clamp(-448, 448))
+            continue
         param.data.copy_(torch.randn(param.shape, generator=gen, device=param.device, dtype=param.dtype))
         param.data.mul_(DUMMY_STD)
 

@@ -1,5 +1,6 @@
 """--load-format dummy: random weights from config.json alone (no *.safetensors), the same for a seed,
-for dense and MoE models; a directory without config.json is one clear usage error."""
+for dense and MoE models and FP8 checkpoints' configs; a directory without config.json is one clear usage
+error."""
 import json
 import shutil
 
@@ -75,3 +76,29 @@ def test_dummy_weights_under_tensor_parallelism(tiny_model, tmp_path):
     finally:
         llm.close()
     assert [r["completion_tokens"] for r in results] == [4, 4, 4] and all(r["error"] is None for r in results)
+
+
+@pytest.mark.parametrize("form", ["block", "tensor-static", "moe-channel"])
+def test_dummy_weights_of_an_fp8_checkpoints_config(form, tmp_path):
+    """An FP8 checkpoint's config.json with --load-format dummy (Qwen3-30B-A3B-FP8 benchmarked without its
+    weights): e4m3 weights whose dequantized spread is the bf16 dummies', and a job that runs."""
+    import torch
+
+    from tests.fp8_checkpoints import build_base, write, write_moe
+    from tests.tiny_models import build
+
+    if form == "moe-channel":
+        path = write_moe("channel-dynamic", build("qwen3-moe-blocks", tmp_path / "base"), tmp_path / "q",
+                         tmp_path / "dequantized")
+    else:
+        path = write(form, build_base(tmp_path / "base"), tmp_path / "q")
+    model = str(config_and_tokenizer_only(path, tmp_path / "m"))
+    with LLM(model, dtype="float32", device="cpu", load_format="dummy") as llm:
+        layer = llm.engine.runner.model.layers[0]
+        assert layer.self_attn.qkv_proj.fp8 is not None
+        if form == "moe-channel":  # (on a CPU the experts are dequantized at load: normal * 0.02)
+            assert 0.01 < float(layer.mlp.experts.w13.std()) < 0.03
+        rows = [{"prompt_token_ids": [5, 17, 33, 99, 120], "prompt_logprobs": True}]
+        result = llm.generate_list(rows, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert result["error"] is None and result["completion_tokens"] == 4
+    assert all(torch.isfinite(torch.tensor(result["prompt_logprobs"])))
