@@ -149,7 +149,7 @@ def bench(model, shape, layers, num_tokens, peak, form="bf16"):
     us_eager = eager_us(lambda: fused_moe_triton(x, w13, w2, weights, ids, fp8=fp8))
     ref_us = eager_us(lambda: fused_moe_reference(x, w13, w2, weights, ids, fp8), reps=3)
     config = fm.pick_config(num_tokens, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"],
-                            x.device)
+                            x.device, fp8=None if form == "bf16" else form)
     align_triton = graph_us([lambda: moe_align_triton(ids, shape["num_experts"], config.block_m)] * 8)
     align_torch = graph_us([lambda: moe_align_torch(ids, shape["num_experts"], config.block_m)] * 8)
     logits = torch.randn(num_tokens, shape["num_experts"], device=DEVICE)
@@ -203,8 +203,8 @@ def close_to(got, want, form) -> bool:
 def tune(model, shape, layers, num_tokens, form="bf16") -> MoeConfig | None:
     """The fastest config at num_tokens, each BLOCK_M's best tiles checked against the reference."""
     x, weights, ids = make_batch(num_tokens, shape["num_experts"], shape["top_k"], shape["hidden"])
-    fp8 = layers[0][2]
-    want = fused_moe_reference(x, *layers[0], weights, ids)
+    w13, w2, fp8 = layers[0]
+    want = fused_moe_reference(x, w13, w2, weights, ids, fp8)
     group = None if fp8 is None or not fp8.block else 128
     x_in, x_scale = (x, None) if fp8 is None else quantize(x, group=group)
     per_expert = num_tokens * shape["top_k"] / shape["num_experts"]

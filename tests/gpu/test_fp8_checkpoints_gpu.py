@@ -122,12 +122,16 @@ def test_split_fp8_products_reach_the_norm_as_parts(tmp_path, monkeypatch):
     assert mean < 0.03
 
 
-@pytest.mark.parametrize("form", MOE_FORMS)
+@pytest.mark.parametrize("form", [*MOE_FORMS, "quantize-at-load"])
 def test_fp8_moe_checkpoint_stays_near_its_reference(form, tmp_path):
-    """A mixture of experts' FP8 checkpoint on the GPU: fp8 attention and dense products, experts dequantized
-    at load into the fused MoE's bf16; prompt log-probabilities near HF's fp32 model of the same weights."""
+    """A mixture of experts' FP8 checkpoint on the GPU (or --quantization fp8 on its bf16 one, against the
+    per-channel checkpoint's numbers): fp8 attention, dense products and experts (the fused MoE's fp8 form);
+    prompt log-probabilities near HF's fp32 model of the same weights with the same inputs rounded."""
     base = build("qwen3-moe-blocks", tmp_path / "base")
-    path = write_moe(form, base, tmp_path / form, tmp_path / "dequantized")
-    mean = mean_prompt_logprob_error(path, {}, moe_reference_model(tmp_path / "dequantized", form))
+    written = "channel-dynamic" if form == "quantize-at-load" else form
+    path = write_moe(written, base, tmp_path / written, tmp_path / "dequantized")
+    options = {"quantization": "fp8"} if form == "quantize-at-load" else {}
+    mean = mean_prompt_logprob_error(base if options else path, options,
+                                     moe_reference_model(tmp_path / "dequantized", written))
     print(f"moe {form}: mean |prompt logprob - fp32 reference| = {mean:.4f}")
     assert mean < 0.03
