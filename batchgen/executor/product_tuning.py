@@ -28,10 +28,10 @@ import triton
 
 from batchgen.executor.cuda_graphs import batch_size_ladder, token_count_ladder
 from batchgen.executor.warmup import reset_synthetic_rows, synthetic_batch
-from batchgen.kernels import silu_and_mul
 from batchgen.kernels import tile_gemm as tg
 from batchgen.kernels.device import num_sms
 from batchgen.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_parts
+from batchgen.kernels.silu_and_mul import silu_and_mul
 from batchgen.models.default_model import cache_root
 from batchgen.version import __version__
 

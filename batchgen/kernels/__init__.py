@@ -1,4 +1,5 @@
-"""Hot-path ops of the engine, one op per file.
+"""Hot-path ops of the engine, one op per file (imported from their modules: the package re-exports
+nothing, so `batchgen.kernels.rmsnorm` is always the module, never its function).
 
 Every file holds a Triton kernel, its launcher and a torch reference of the same op, and one public
 function that picks between them: the Triton launcher for CUDA tensors, the torch reference
@@ -12,23 +13,3 @@ arrays (rows, lengths, positions, slots, a sampler's seeds), views at any offset
 staged inputs (`rows[num_decode:]`, the seeds after the top-k values), are
 `do_not_specialize_on_alignment`: their loads are per row, where alignment buys nothing.
 """
-from batchgen.kernels.decode_attention import decode_attention
-from batchgen.kernels.gumbel_argmax import gumbel_argmax
-from batchgen.kernels.prefill_attention import prefill_attention
-from batchgen.kernels.rmsnorm import add_rmsnorm, rmsnorm
-from batchgen.kernels.rope_store_kv import rope_store_kv
-from batchgen.kernels.silu_and_mul import silu_and_mul
-from batchgen.kernels.token_bitmask import apply_token_bitmask
-from batchgen.kernels.unified_attention import unified_attention
-
-__all__ = [
-    "rmsnorm",
-    "add_rmsnorm",
-    "silu_and_mul",
-    "rope_store_kv",
-    "prefill_attention",
-    "decode_attention",
-    "unified_attention",
-    "gumbel_argmax",
-    "apply_token_bitmask",
-]

@@ -10,8 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.kernels import decode_attention, prefill_attention, rope_store_kv, unified_attention
+from batchgen.kernels.decode_attention import decode_attention
+from batchgen.kernels.prefill_attention import prefill_attention
 from batchgen.kernels.rope_decode_attention import rope_decode_attention
+from batchgen.kernels.rope_store_kv import rope_store_kv
+from batchgen.kernels.unified_attention import unified_attention
 from batchgen.layers.forward_batch import ForwardBatch
 
 

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.kernels import silu_and_mul
 from batchgen.kernels.e4m3 import FP8 as E4M3
 from batchgen.kernels.e4m3 import dequantize_weight_ref, quantize_weight_ref, round_ref
 from batchgen.kernels.fp8_gemm import blockwise_scaled_mm_ok, fp8_linear, fp8_product
+from batchgen.kernels.silu_and_mul import silu_and_mul
 from batchgen.layers.packed_linear import packed_linear
 
 WEIGHT_FORMS = ("channel", "block")

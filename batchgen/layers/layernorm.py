@@ -1,8 +1,7 @@
 import torch
 from torch import nn
 
-from batchgen.kernels import add_rmsnorm, rmsnorm
-from batchgen.kernels.rmsnorm import add_rmsnorm_fp8
+from batchgen.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_fp8, rmsnorm
 from batchgen.kernels.skinny_gemm import normed_skinny_gemm, uses_tma
 from batchgen.layers.linear import DeferredSum
 from batchgen.layers.packed_linear import PackableWeight

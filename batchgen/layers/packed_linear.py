@@ -15,8 +15,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import decode_mlp_gluon, silu_and_mul
+from batchgen.kernels import decode_mlp_gluon
 from batchgen.kernels.invariant_gemm import invariant_gemm, split_of
+from batchgen.kernels.silu_and_mul import silu_and_mul
 from batchgen.kernels.skinny_gemm import skinny_gemm, uses_tma
 from batchgen.kernels.tile_gemm import tile_for, tile_gemm
 

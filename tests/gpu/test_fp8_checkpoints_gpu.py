@@ -4,7 +4,6 @@ equals the CPU path's rounding (layers/fp8.py: activations rounded to e4m3 with 
 up to bf16 output rounding, at 1 to 300 rows; a job runs through the CUDA graphs (no one-row MLP) and its
 prompt log-probabilities stay near the float32 HF reference with the same quantization; so do a model whose
 o and down split K in parts, and a mixture of experts' FP8 checkpoints."""
-import importlib
 import random
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen import LLM, SamplingParams
+from batchgen.kernels import rmsnorm
 from batchgen.kernels.e4m3 import dequantize_weight_ref
 from batchgen.kernels.fp8_gemm import tma_tile
 from batchgen.kernels.tile_gemm import tile_gemm_supported
@@ -109,7 +109,6 @@ def test_split_fp8_products_reach_the_norm_as_parts(tmp_path, monkeypatch):
     base = build_base(tmp_path / "wide", hidden=512, intermediate=1024, heads=8, head_dim=64)
     with_parts = []
 
-    rmsnorm = importlib.import_module("batchgen.kernels.rmsnorm")  # (batchgen.kernels.rmsnorm is also a function)
     rounding_norm = rmsnorm.add_rmsnorm_fp8_triton
 
     def spy(x, residual, weight, eps, parts=None):  # (every caller's path: the norm's launch)
