@@ -22,7 +22,7 @@ the output written; GB/s is those over `us`, bw_frac over the GPU's bandwidth (H
 
 --tune also sweeps BLOCK_M and each product's (BLOCK_N, BLOCK_K, warps, stages) per T (each product
 timed alone on the same aligned slots; the best pair then timed together per BLOCK_M) and prints the
-best configs as entries of fused_moe.TUNED (TUNED_FP8 for an fp8 form) to paste into the kernel file. One
+best configs as entries of moe_config.TUNED (TUNED_FP8 for an fp8 form) to paste into kernels/moe_config.py. One
 JSON line per measurement; a table last. --tp 2 times the shard of I a GPU holds under tensor parallelism.
 """
 import argparse
@@ -35,14 +35,13 @@ import torch
 import batchgen.kernels.fused_moe as fm
 from batchgen.kernels.fp8_gemm import quantize
 from batchgen.kernels.fused_moe import (
-    GemmTile,
-    MoeConfig,
     fused_moe_reference,
     fused_moe_triton,
     quantize_experts,
     select_experts,
 )
 from batchgen.kernels.moe_align import moe_align_torch, moe_align_triton
+from batchgen.kernels.moe_config import GemmTile, MoeConfig, pick_config
 
 MODELS = {
     "qwen3-30b-a3b": dict(num_experts=128, top_k=8, hidden=2048, inter=768, copies=4),
@@ -148,7 +147,7 @@ def bench(model, shape, layers, num_tokens, peak, form="bf16"):
                    for w13, w2, fp8 in layers])
     us_eager = eager_us(lambda: fused_moe_triton(x, w13, w2, weights, ids, fp8=fp8))
     ref_us = eager_us(lambda: fused_moe_reference(x, w13, w2, weights, ids, fp8), reps=3)
-    config = fm.pick_config(num_tokens, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"],
+    config = pick_config(num_tokens, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"],
                             x.device, fp8=None if form == "bf16" else form)
     align_triton = graph_us([lambda: moe_align_triton(ids, shape["num_experts"], config.block_m)] * 8)
     align_torch = graph_us([lambda: moe_align_torch(ids, shape["num_experts"], config.block_m)] * 8)
@@ -211,7 +210,7 @@ def tune(model, shape, layers, num_tokens, form="bf16") -> MoeConfig | None:
     best = (float("inf"), None)
     for block_m in [m for m in BLOCK_MS if m == 16 or m <= 4 * per_expert]:
         aligned = moe_align_torch(ids, shape["num_experts"], block_m)
-        start = fm.pick_config(num_tokens, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"],
+        start = pick_config(num_tokens, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"],
                                x.device, fp8=None if form == "bf16" else form)
         h = fm.gate_up_silu(x_in, layers[0][0], shape["top_k"], aligned, block_m, start.gate_up, fp8, x_scale, x.dtype)
         h_in, h_scale = (h, None) if fp8 is None else quantize(h, group=group)
@@ -276,7 +275,7 @@ def main():
                   f"{r['us_eager']:>9}{r['gbps']:>8}{r.get('bw_frac', '-'):>7}{r['ref_us']:>10}"
                   f"{r['align_triton_us']:>15} / {r['align_torch_us']:<8}{r['router_us']:>8}  {r['ok']}")
     if tuned:
-        print("\n# fused_moe.TUNED entries (benchmarks/fused_moe.py --tune; keys ending in a form: TUNED_FP8's):")
+        print("\n# moe_config.TUNED entries (benchmarks/fused_moe.py --tune; keys ending in a form: TUNED_FP8's):")
         for key, by_tokens in tuned.items():
             print(f"    {key!r}: {{")
             for num_tokens, config in sorted(by_tokens.items()):

@@ -5,21 +5,18 @@ import torch
 import torch.nn.functional as F
 
 import batchgen.kernels.fused_moe as fused_moe_module
+import batchgen.kernels.moe_config as moe_config_module
 from batchgen.kernels.e4m3 import dequantize_weight_ref, quantize_ref, quantize_weight_ref, round_ref
 from batchgen.kernels.fused_moe import (
-    GemmTile,
-    MoeConfig,
-    default_config,
     dequantize_experts,
     fused_moe_reference,
     fused_moe_triton,
-    pick_config,
     quantize_experts,
     select_experts,
     select_experts_reference,
-    warmup_token_counts,
 )
 from batchgen.kernels.moe_align import max_slots, moe_align_torch, moe_align_triton
+from batchgen.kernels.moe_config import GemmTile, MoeConfig, default_config, pick_config, warmup_token_counts
 from tests.kernels.conftest import HAS_CUDA, INTERPRET
 
 # Interpreter-sized tiles: 16-slot blocks, 16 columns, 32-wide K steps (K and N of the cases below are
@@ -158,7 +155,7 @@ def test_pick_config(monkeypatch):
     tuned = {1: MoeConfig(16, GemmTile(32, 128, 4, 4), GemmTile(32, 128, 4, 4)),
              64: MoeConfig(32, GemmTile(64, 64, 4, 3), GemmTile(64, 64, 4, 3)),
              1024: MoeConfig(128, GemmTile(128, 64, 8, 3), GemmTile(128, 64, 8, 3))}
-    monkeypatch.setattr(fused_moe_module, "TUNED", {("cpu", 2048, 768, 128, 8): tuned})
+    monkeypatch.setattr(moe_config_module, "TUNED", {("cpu", 2048, 768, 128, 8): tuned})
     cpu = torch.device("cpu")
     assert [pick_config(t, 2048, 768, 128, 8, cpu) for t in (1, 2, 64, 65, 4096)] == [
         tuned[1], tuned[64], tuned[64], tuned[1024], tuned[1024]]
@@ -238,13 +235,13 @@ def test_pick_config_for_fp8_experts(monkeypatch):
     """FP8 experts: TUNED_FP8's entry for the form where there is one; else the 16-bit tiles with K steps twice
     as long (at most 128 for blocks, a group) and column tiles whose fp32 sums fit a thread's registers."""
     tuned = {1024: MoeConfig(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 3))}
-    monkeypatch.setattr(fused_moe_module, "TUNED", {("cpu", 2048, 768, 128, 8): tuned})
+    monkeypatch.setattr(moe_config_module, "TUNED", {("cpu", 2048, 768, 128, 8): tuned})
     cpu = torch.device("cpu")
     channel = pick_config(1024, 2048, 768, 128, 8, cpu, fp8="channel")
     assert channel == MoeConfig(128, GemmTile(64, 128, 8, 4), GemmTile(128, 128, 8, 3))  # (4 x 128 x 64 / 256)
     block = pick_config(1024, 2048, 768, 128, 8, cpu, fp8="block")
     assert block.gate_up.block_k == block.down.block_k == 128
     mine = MoeConfig(64, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 4))
-    monkeypatch.setattr(fused_moe_module, "TUNED_FP8", {("cpu", 2048, 768, 128, 8, "block"): {4096: mine}})
+    monkeypatch.setattr(moe_config_module, "TUNED_FP8", {("cpu", 2048, 768, 128, 8, "block"): {4096: mine}})
     assert pick_config(1024, 2048, 768, 128, 8, cpu, fp8="block") == mine
     assert pick_config(1024, 2048, 768, 128, 8, cpu, fp8="channel") == channel
