@@ -204,16 +204,15 @@ def tune(model, shape, layers, num_tokens, form="bf16") -> MoeConfig | None:
     x, weights, ids = make_batch(num_tokens, shape["num_experts"], shape["top_k"], shape["hidden"])
     w13, w2, fp8 = layers[0]
     want = fused_moe_reference(x, w13, w2, weights, ids, fp8)
-    group = None if fp8 is None or not fp8.block else 128
-    x_in, x_scale = (x, None) if fp8 is None else quantize(x, group=group)
+    x_in, x_scale = (x, None) if fp8 is None else quantize(x, group=fp8.group)
+    start = pick_config(num_tokens, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"], x.device,
+                        fp8=None if fp8 is None else fp8.form)  # (the gate/up tile that makes down's input)
     per_expert = num_tokens * shape["top_k"] / shape["num_experts"]
     best = (float("inf"), None)
     for block_m in [m for m in BLOCK_MS if m == 16 or m <= 4 * per_expert]:
         aligned = moe_align_torch(ids, shape["num_experts"], block_m)
-        start = pick_config(num_tokens, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"],
-                               x.device, fp8=None if form == "bf16" else form)
-        h = fm.gate_up_silu(x_in, layers[0][0], shape["top_k"], aligned, block_m, start.gate_up, fp8, x_scale, x.dtype)
-        h_in, h_scale = (h, None) if fp8 is None else quantize(h, group=group)
+        h = fm.gate_up_silu(x_in, w13, shape["top_k"], aligned, block_m, start.gate_up, fp8, x_scale, x.dtype)
+        h_in, h_scale = (h, None) if fp8 is None else quantize(h, group=fp8.group)
         gate_up_us, gate_up = best_of(
             candidate_tiles(block_m, 2, form),
             lambda tile, w13, w2, fp8: lambda: fm.gate_up_silu(x_in, w13, shape["top_k"], aligned, block_m, tile,
@@ -225,7 +224,7 @@ def tune(model, shape, layers, num_tokens, form="bf16") -> MoeConfig | None:
         if gate_up is None or down is None:
             continue
         config = MoeConfig(block_m, gate_up, down)
-        got = fused_moe_triton(x, *layers[0][:2], weights, ids, config, fp8=fp8)
+        got = fused_moe_triton(x, w13, w2, weights, ids, config, fp8=fp8)
         if not close_to(got, want, form):
             emit(model=model, T=num_tokens, config=repr(tuple(config)), error="differs from the reference")
             continue

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
-from batchgen.kernels.e4m3 import FP8, GROUP, quantize_weight_ref, round_ref
+from batchgen.kernels.e4m3 import FP8, GROUP, dequantize_weight_ref, quantize_weight_ref, round_ref
 from batchgen.kernels.fp8_gemm import quantize
 from batchgen.kernels.moe_align import moe_align
 from batchgen.kernels.moe_config import GemmTile, MoeConfig, pick_config
@@ -45,6 +45,20 @@ class Fp8Experts(NamedTuple):
     w13_scale: torch.Tensor | None
     w2_scale: torch.Tensor | None
     block: bool
+
+    @property
+    def form(self) -> str:
+        """The kernels' SCALES and pick_config's fp8 form."""
+        return "block" if self.block else "channel"
+
+    def up_scale_row(self, inter: int) -> int:
+        """w13_scale's first row of the up half (the gate half's rows: a channel or a 128-block each)."""
+        return triton.cdiv(inter, GROUP) if self.block else inter
+
+    @property
+    def group(self) -> int | None:
+        """The columns an input's rounding scale covers (kernels/e4m3.py): a group of 128, or the whole row."""
+        return GROUP if self.block else None
 
 
 GROUP_M = tl.constexpr(8)  # blocks whose column tiles run together (_program_tile)
@@ -273,15 +287,16 @@ def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, fp8: Fp
     assert (tuple(fp8.w13_scale.shape), tuple(fp8.w2_scale.shape)) == want, "scales of another form"
 
 
-def _scale_args(kind: str | None, rows_scale: torch.Tensor | None, weight_scale: torch.Tensor | None,
+def _scale_args(fp8: Fp8Experts | None, rows_scale: torch.Tensor | None, weight_scale: torch.Tensor | None,
                 rows: str) -> dict:
     """The kernels' scale arguments: the input's scales (named by `rows`: "x" or "h"), the weight's."""
-    if kind is None:
+    if fp8 is None:
         return {}
-    return {"SCALES": kind, f"{rows}_scale_ptr": rows_scale, f"{rows}_scale_stride_{'t' if rows == 'x' else 'p'}":
-            rows_scale.stride(0), f"{rows}_scale_stride_g": rows_scale.stride(1), "w_scale_ptr": weight_scale,
+    return {"SCALES": fp8.form, f"{rows}_scale_ptr": rows_scale,
+            f"{rows}_scale_stride_{'t' if rows == 'x' else 'p'}": rows_scale.stride(0),
+            f"{rows}_scale_stride_g": rows_scale.stride(1), "w_scale_ptr": weight_scale,
             "w_scale_stride_e": weight_scale.stride(0), "w_scale_stride_n": weight_scale.stride(1),
-            "w_scale_stride_k": weight_scale.stride(2) if kind == "block" else 0}
+            "w_scale_stride_k": weight_scale.stride(2) if fp8.block else 0}
 
 
 def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, top_k: int, aligned: tuple[torch.Tensor, ...],
@@ -294,10 +309,9 @@ def gate_up_silu(x: torch.Tensor, w13: torch.Tensor, top_k: int, aligned: tuple[
     inter = two_inter // 2
     h = torch.empty((num_pairs, inter), dtype=out_dtype or x.dtype, device=x.device)
     max_blocks = block_expert.numel()
-    kind = None if fp8 is None else "block" if fp8.block else "channel"
-    scales = _scale_args(kind, x_scale, None if fp8 is None else fp8.w13_scale, "x")
-    if kind is not None:  # (the up half's first scale row)
-        scales["up_scale_row"] = triton.cdiv(inter, GROUP) if fp8.block else inter
+    scales = _scale_args(fp8, x_scale, None if fp8 is None else fp8.w13_scale, "x")
+    if fp8 is not None:  # (the up half's first scale row)
+        scales["up_scale_row"] = fp8.up_scale_row(inter)
     _gate_up_kernel[(max_blocks * triton.cdiv(inter, tile.block_n),)](
         x, x.stride(0), w13, w13.stride(0), w13.stride(1), h, h.stride(0),
         sorted_ids, block_expert, num_padded, num_pairs, top_k, inter, hidden, max_blocks,
@@ -318,14 +332,13 @@ def down_weighted(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     y = torch.empty((num_pairs, hidden), dtype=out_dtype or h.dtype, device=h.device)
     max_blocks = block_expert.numel()
-    kind = None if fp8 is None else "block" if fp8.block else "channel"
     _down_kernel[(max_blocks * triton.cdiv(hidden, tile.block_n),)](
         h, h.stride(0), w2, w2.stride(0), w2.stride(1), y, y.stride(0), weights,
         sorted_ids, block_expert, num_padded, num_pairs, hidden, inter, max_blocks,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter % tile.block_k == 0,
         EVEN_N=hidden % tile.block_n == 0, DOT_PRECISION=_dot_precision(h.dtype),
         num_warps=tile.warps, num_stages=tile.stages, **pdl_launch_args(h.device),
-        **_scale_args(kind, h_scale, None if fp8 is None else fp8.w2_scale, "h"),
+        **_scale_args(fp8, h_scale, None if fp8 is None else fp8.w2_scale, "h"),
     )
     return y
 
@@ -342,34 +355,31 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if num_tokens == 0:
         return torch.empty_like(x)
     config = config or pick_config(num_tokens, hidden, two_inter // 2, num_experts, top_k, x.device, x.dtype,
-                                   None if fp8 is None else "block" if fp8.block else "channel")
+                                   None if fp8 is None else fp8.form)
     aligned = moe_align(topk_ids, num_experts, config.block_m)
     if fp8 is None:
         h = gate_up_silu(x, w13, top_k, aligned, config.block_m, config.gate_up)
         y = down_weighted(h, w2, topk_weights, aligned, config.block_m, config.down)
     else:
-        group = GROUP if fp8.block else None  # (the inputs' rounding: per token, or per group of 128)
-        xq, x_scale = quantize(x, group=group)
+        xq, x_scale = quantize(x, group=fp8.group)
         h = gate_up_silu(xq, w13, top_k, aligned, config.block_m, config.gate_up, fp8, x_scale, x.dtype)
-        hq, h_scale = quantize(h, group=group)
+        hq, h_scale = quantize(h, group=fp8.group)
         y = down_weighted(hq, w2, topk_weights, aligned, config.block_m, config.down, fp8, h_scale, x.dtype)
     return y.view(num_tokens, top_k, hidden).sum(1) if top_k > 1 else y  # (fp32 sums, rounded once)
 
 
 def dequantize_experts(w13: torch.Tensor, w2: torch.Tensor, fp8: Fp8Experts) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 experts' e4m3 weights times their scales, fp32 (Fp8Experts: a block grid's gate and up halves
-    each start at a block boundary)."""
-    inter, hidden = w2.shape[2], w2.shape[1]
-    if not fp8.block:
-        return w13.float() * fp8.w13_scale[..., None], w2.float() * fp8.w2_scale[..., None]
+    """FP8 experts' e4m3 weights times their scales, fp32, expert by expert (e4m3.dequantize_weight_ref; a
+    block grid's gate and up halves each their own grid)."""
+    inter = w2.shape[2]
+    up_row = fp8.up_scale_row(inter)
 
-    def spread(grid: torch.Tensor, rows: int, cols: int) -> torch.Tensor:  # [E, r, c] blocks -> elements
-        return grid.repeat_interleave(GROUP, 1).repeat_interleave(GROUP, 2)[:, :rows, :cols]
+    def gate_up(e: int) -> torch.Tensor:
+        return torch.cat([dequantize_weight_ref(w13[e, :inter], fp8.w13_scale[e, :up_row]),
+                          dequantize_weight_ref(w13[e, inter:], fp8.w13_scale[e, up_row:])])
 
-    half = triton.cdiv(inter, GROUP)
-    w13_scale = torch.cat([spread(fp8.w13_scale[:, :half], inter, hidden),
-                           spread(fp8.w13_scale[:, half:], inter, hidden)], dim=1)
-    return w13.float() * w13_scale, w2.float() * spread(fp8.w2_scale, hidden, inter)
+    return (torch.stack([gate_up(e) for e in range(w13.shape[0])]),
+            torch.stack([dequantize_weight_ref(w, scale) for w, scale in zip(w2, fp8.w2_scale)]))
 
 
 def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, block: bool) -> tuple[torch.Tensor, torch.Tensor, Fp8Experts]:
@@ -401,10 +411,9 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     the kernels round them, and the weights dequantized first (unless the scales are None: already)."""
     if fp8 is not None and fp8.w13_scale is not None:
         w13, w2 = dequantize_experts(w13, w2, fp8)
-    group = GROUP if fp8 is not None and fp8.block else None
 
     def rounded(rows: torch.Tensor) -> torch.Tensor:  # (fp32)
-        return rows.float() if fp8 is None else round_ref(rows, group=group)
+        return rows.float() if fp8 is None else round_ref(rows, group=fp8.group)
 
     num_tokens, k = topk_ids.shape
     inter = w2.shape[2]

@@ -89,21 +89,14 @@ class FusedExperts(nn.Module):
         self.loaded.add(f"{shard}:scale")
         part, _, expert = shard.partition(":")
         e, loaded = int(expert), loaded.float()
-        if self.fp8.block:
-            if part == "down":  # (down's K is I: this rank's block columns)
-                _fill(param.data[e], self._rank_slice(loaded, 1, _blocks(self.inter)))
-            else:
-                rows = _blocks(self.inter)
-                offset = 0 if part == "gate" else rows
-                _fill(param.data[e, offset:offset + rows], self._rank_slice(loaded, 0, rows))
+        rows = self.fp8.up_scale_row(self.inter)  # this rank's scale rows of gate or of up (channels, or blocks)
+        if not self.fp8.block:  # ([N] or [N, 1], or one per tensor: every row's)
+            loaded = loaded.reshape(-1).expand(param.shape[1] if part == "down" else rows * self.tp.size)
+        if part == "down":  # (its H rows whole on every rank; a block grid's columns run along I: this rank's)
+            _fill(param.data[e], self._rank_slice(loaded, 1, rows) if self.fp8.block else loaded)
             return
-        rows = loaded.reshape(-1)
-        if part == "down":
-            _fill(param.data[e], rows.expand(param.shape[1]) if rows.numel() == 1 else rows)
-            return
-        offset = 0 if part == "gate" else self.inter
-        mine = rows.expand(self.inter) if rows.numel() == 1 else self._rank_slice(rows, 0)
-        _fill(param.data[e, offset:offset + self.inter], mine)
+        offset = 0 if part == "gate" else rows
+        _fill(param.data[e, offset:offset + rows], self._rank_slice(loaded, 0, rows))
 
     def missing_weights(self) -> list[str]:
         """The experts' weights no checkpoint tensor filled: "gate:E", "up:E", "down:E" (an fp8 one: with

@@ -2,7 +2,12 @@
 the scheme models/quantization.py read from the checkpoint or --quantization fp8."""
 from __future__ import annotations
 
-from batchgen.layers.fp8 import Fp8Form, make_fp8
+import functools
+from collections.abc import Callable
+
+import torch
+
+from batchgen.layers.fp8 import Fp8Form, finish_fp8, make_fp8
 from batchgen.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear
 from batchgen.layers.moe import FusedExperts
 from batchgen.layers.packed_linear import PackableWeight
@@ -46,21 +51,22 @@ def _check_expert_blocks(experts: FusedExperts, name: str) -> None:
         )
 
 
-def apply_scheme(model, scheme: Fp8Scheme, packed_modules_mapping: dict) -> list:
+def apply_scheme(model, scheme: Fp8Scheme, packed_modules_mapping: dict) -> list[Callable[[torch.dtype], None]]:
     """Make each quantized linear layer of the decoder FP8 (layers/fp8.make_fp8), before loading; the
-    LM head and embeddings stay as they are. -> the FP8 layers. A merged layer (q/k/v, gate/up) must
+    LM head and embeddings stay as they are. -> each FP8 layer's step after loading, called with the
+    model's dtype (layers/fp8.finish_fp8, or the experts' FusedExperts.finish_fp8). A merged layer (q/k/v, gate/up) must
     have all of its checkpoint modules quantized or none. An MoE layer's quantized experts keep their
     e4m3 weights and scales (layers/moe.FusedExperts.accept_fp8); --quantization fp8 leaves its routers
     (and a shared expert's gate) in the model's dtype, as vLLM does."""
     form = layer_form(scheme)
     checkpoint_module = getattr(model, "checkpoint_module", lambda name: name)
-    layers = []
+    finishes = []
     for name, module in model.named_modules():
         if isinstance(module, FusedExperts) and scheme.quantizes(f"model.{checkpoint_module(name)}.0.gate_proj"):
             if scheme.weights == "block":
                 _check_expert_blocks(module, f"model.{name}")
             module.accept_fp8(scheme.weights == "block", scheme.quantize_at_load)
-            layers.append(module)
+            finishes.append(module.finish_fp8)
         if not isinstance(module, PackableWeight) or module is model.lm_head:
             continue
         if scheme.quantize_at_load and getattr(module, "routes_tokens", False):
@@ -75,5 +81,5 @@ def apply_scheme(model, scheme: Fp8Scheme, packed_modules_mapping: dict) -> list
             if scheme.weights == "block":
                 _check_blocks(module, f"model.{name}")
             make_fp8(module, form)
-            layers.append(module)
-    return layers
+            finishes.append(functools.partial(finish_fp8, module))
+    return finishes

@@ -11,8 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from batchgen.kernels.device import use_pdl
-from batchgen.layers.fp8 import E4M3, finish_fp8
-from batchgen.layers.moe import FusedExperts
+from batchgen.layers.fp8 import E4M3
 from batchgen.models.fp8_layers import apply_scheme
 from batchgen.models.llama import LlamaForCausalLM
 from batchgen.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -166,11 +165,11 @@ def build_model(
             model = MODEL_CLASSES[cfg.architecture](cfg, max_positions, tp)
         finally:
             torch.set_default_dtype(default_dtype)
-        fp8_layers = [] if scheme is None else apply_scheme(model, scheme, model.packed_modules_mapping)
+        fp8_finishes = [] if scheme is None else apply_scheme(model, scheme, model.packed_modules_mapping)
     if load_format == "dummy":
         fill_dummy_weights(model, seed)
     else:
         load_weights(model, model_dir)
-    for layer in fp8_layers:  # (an MoE layer's experts finish their own)
-        layer.finish_fp8(dtype) if isinstance(layer, FusedExperts) else finish_fp8(layer, dtype)
+    for finish in fp8_finishes:
+        finish(dtype)
     return model.eval()

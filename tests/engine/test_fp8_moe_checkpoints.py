@@ -135,12 +135,14 @@ def test_prompt_logprobs_are_the_references(form, moe_checkpoints):
         torch.testing.assert_close(torch.tensor(r["prompt_logprobs"]), want, atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
-def test_a_ranks_experts_take_their_slice_of_each_scale(block):
+@pytest.mark.parametrize("form", ["channel", "tensor", "block"])
+def test_a_ranks_experts_take_their_slice_of_each_scale(form):
     """Rank 1 of 2: its gate/up rows and down columns of each expert's e4m3 weight, and the matching rows (or
-    block rows, or down's block columns) of its scales; dequantized, the rank's slice of the whole layer."""
+    block rows, or down's block columns) of its scales (a per-tensor scale: for every row); dequantized, the
+    rank's slice of the whole layer."""
     torch.manual_seed(0)
     num_experts, hidden, inter = 2, 256, 512
+    block = form == "block"
     experts = FusedExperts(num_experts, hidden, inter, TensorParallel(rank=1, size=2))
     experts.accept_fp8(block)
     whole = {}
@@ -148,9 +150,11 @@ def test_a_ranks_experts_take_their_slice_of_each_scale(block):
         for part, shape, param in (("gate", (inter, hidden), experts.w13), ("up", (inter, hidden), experts.w13),
                                    ("down", (hidden, inter), experts.w2)):
             q, scale = quantize_weight_ref(torch.randn(shape), block)
+            if form == "tensor":  # (a checkpoint's [1]: every row takes it)
+                scale = scale.max().reshape(1)
             experts.weight_loader(param, q, f"{part}:{e}")
             scale_param = experts.w2_scale if part == "down" else experts.w13_scale
-            experts.scale_loader(scale_param, scale if block else scale[:, None], f"{part}:{e}")
+            experts.scale_loader(scale_param, scale[:, None] if form == "channel" else scale, f"{part}:{e}")
             whole[part, e] = dequantize_weight_ref(q, scale)
     assert experts.missing_weights() == []
     w13, w2 = dequantize_experts(experts.w13, experts.w2, experts.fp8)
