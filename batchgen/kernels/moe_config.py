@@ -45,12 +45,75 @@ TUNED: dict[tuple[str, int, int, int, int], dict[int, MoeConfig]] = {
         4096: MoeConfig(128, GemmTile(128, 64, 8, 3), GemmTile(128, 64, 8, 3)),
         8192: MoeConfig(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 4, 3)),
     },
+    # its TP=2 shard (I 384)
+    ("NVIDIA H200", 2048, 384, 128, 8): {
+        1: MoeConfig(16, GemmTile(32, 128, 4, 4), GemmTile(128, 128, 4, 4)),
+        16: MoeConfig(16, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        64: MoeConfig(16, GemmTile(64, 128, 4, 3), GemmTile(128, 64, 4, 3)),
+        128: MoeConfig(16, GemmTile(64, 128, 4, 3), GemmTile(128, 64, 4, 3)),
+        256: MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 64, 4, 3)),
+        512: MoeConfig(64, GemmTile(64, 64, 4, 3), GemmTile(128, 64, 4, 3)),
+        1024: MoeConfig(64, GemmTile(64, 64, 4, 3), GemmTile(128, 64, 4, 3)),
+        2048: MoeConfig(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 3)),
+        4096: MoeConfig(128, GemmTile(128, 64, 8, 4), GemmTile(128, 64, 8, 3)),
+        8192: MoeConfig(128, GemmTile(128, 64, 8, 3), GemmTile(128, 64, 8, 3)),
+    },
 }
 
 
 # (GPU name, H, I, E, k, "channel" | "block") -> {T: config}: FP8 experts' block sizes (benchmarks/fused_moe.py
 # --tune --fp8 ...), taken as TUNED's
-TUNED_FP8: dict[tuple[str, int, int, int, int, str], dict[int, MoeConfig]] = {}
+TUNED_FP8: dict[tuple[str, int, int, int, int, str], dict[int, MoeConfig]] = {
+    # qwen3-30b-a3b, TP=1 (I 768) and its TP=2 shard (I 384)
+    ("NVIDIA H200", 2048, 768, 128, 8, "channel"): {
+        1: MoeConfig(16, GemmTile(64, 256, 4, 4), GemmTile(64, 128, 4, 4)),
+        16: MoeConfig(16, GemmTile(64, 128, 8, 4), GemmTile(64, 128, 4, 4)),
+        64: MoeConfig(16, GemmTile(32, 256, 4, 3), GemmTile(64, 128, 4, 4)),
+        128: MoeConfig(16, GemmTile(32, 256, 4, 3), GemmTile(64, 128, 4, 3)),
+        256: MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 4)),
+        512: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 8, 4)),
+        1024: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 4)),
+        2048: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 4)),
+        4096: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 4)),
+        8192: MoeConfig(128, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 4)),
+    },
+    ("NVIDIA H200", 2048, 768, 128, 8, "block"): {
+        1: MoeConfig(16, GemmTile(64, 128, 4, 4), GemmTile(64, 128, 4, 3)),
+        16: MoeConfig(16, GemmTile(64, 128, 8, 3), GemmTile(128, 128, 4, 3)),
+        64: MoeConfig(16, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        128: MoeConfig(16, GemmTile(128, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        256: MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        512: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        1024: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        2048: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        4096: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        8192: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+    },
+    ("NVIDIA H200", 2048, 384, 128, 8, "channel"): {
+        1: MoeConfig(16, GemmTile(32, 256, 4, 4), GemmTile(128, 128, 4, 3)),
+        16: MoeConfig(16, GemmTile(32, 256, 4, 3), GemmTile(64, 128, 4, 4)),
+        64: MoeConfig(16, GemmTile(64, 256, 4, 3), GemmTile(64, 128, 4, 4)),
+        128: MoeConfig(16, GemmTile(64, 256, 4, 3), GemmTile(128, 128, 4, 4)),
+        256: MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 4)),
+        512: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 4)),
+        1024: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 4)),
+        2048: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 4)),
+        4096: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 4)),
+        8192: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 4)),
+    },
+    ("NVIDIA H200", 2048, 384, 128, 8, "block"): {
+        1: MoeConfig(16, GemmTile(64, 128, 4, 4), GemmTile(128, 128, 4, 4)),
+        16: MoeConfig(16, GemmTile(128, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        64: MoeConfig(16, GemmTile(64, 128, 8, 3), GemmTile(128, 128, 4, 3)),
+        128: MoeConfig(16, GemmTile(64, 128, 8, 3), GemmTile(128, 128, 4, 3)),
+        256: MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        512: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        1024: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 4)),
+        2048: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        4096: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+        8192: MoeConfig(64, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3)),
+    },
+}
 
 
 def default_config(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
