@@ -345,15 +345,16 @@ def down_weighted(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, config: MoeConfig | None = None,
-                     fp8: Fp8Experts | None = None) -> torch.Tensor:
+                     fp8: Fp8Experts | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The module's docstring's three steps after the align; config: pick_config's unless given. fp8: w13
-    and w2 are e4m3 with these scales, and x and h are rounded to e4m3 before their products."""
+    and w2 are e4m3 with these scales, and x and h are rounded to e4m3 before their products. out: where
+    the sum over the k goes ([T, H], x's dtype; a new tensor if None)."""
     _check_weights(x, w13, w2, fp8)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     assert x.shape[0] == num_tokens and topk_weights.shape == topk_ids.shape
     if num_tokens == 0:
-        return torch.empty_like(x)
+        return torch.empty_like(x) if out is None else out
     config = config or pick_config(num_tokens, hidden, two_inter // 2, num_experts, top_k, x.device, x.dtype,
                                    None if fp8 is None else fp8.form)
     aligned = moe_align(topk_ids, num_experts, config.block_m)
@@ -365,7 +366,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         h = gate_up_silu(xq, w13, top_k, aligned, config.block_m, config.gate_up, fp8, x_scale, x.dtype)
         hq, h_scale = quantize(h, group=fp8.group)
         y = down_weighted(hq, w2, topk_weights, aligned, config.block_m, config.down, fp8, h_scale, x.dtype)
-    return y.view(num_tokens, top_k, hidden).sum(1) if top_k > 1 else y  # (fp32 sums, rounded once)
+    if top_k == 1:
+        return y if out is None else out.copy_(y)
+    return torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)  # (fp32 sums, rounded once)
 
 
 def dequantize_experts(w13: torch.Tensor, w2: torch.Tensor, fp8: Fp8Experts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -439,12 +442,14 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, fp8: Fp8Experts | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, fp8: Fp8Experts | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k] int32 -> [T, H]
-    in x's dtype: the Triton path on a GPU, the reference on CPU. fp8: FP8 experts (Fp8Experts)."""
+    in x's dtype (written into out where given): the Triton path on a GPU, the reference on CPU. fp8: FP8
+    experts (Fp8Experts)."""
     if x.is_cuda:
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, fp8=fp8)
-    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, fp8)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, fp8=fp8, out=out)
+    y = fused_moe_reference(x, w13, w2, topk_weights, topk_ids, fp8)
+    return y if out is None else out.copy_(y)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from torch import nn
 
 from batchgen.kernels.e4m3 import FP8, GROUP
 from batchgen.kernels.fused_moe import Fp8Experts, dequantize_experts, fused_moe, quantize_experts, select_experts
-from batchgen.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from batchgen.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, PartialSums, RowParallelLinear
 from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 
 
@@ -129,9 +129,10 @@ class FusedExperts(nn.Module):
         self.w13_scale = self.w2_scale = None
         self.fp8 = Fp8Experts(None, None, self.fp8.block)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """-> this rank's partial sums [T, H]."""
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.fp8)  # (the torch reference on CPU)
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """-> this rank's partial sums [T, H] (in out where given)."""
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.fp8, out)  # (the torch reference on CPU)
 
 
 def _blocks(n: int) -> int:
@@ -182,10 +183,15 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ColumnParallelLinear(hidden, 1, False, SINGLE)
             self.shared_expert_gate.routes_tokens = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
+    def forward(self, x: torch.Tensor, norm_follows: bool = False) -> torch.Tensor | PartialSums:
+        """x [T, H] -> [T, H]. norm_follows: the caller's add + RMSNorm takes the output next, so it may get
+        the ranks' PartialSums, which that norm sums in its own kernel (as RowParallelLinear hands them on)."""
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, topk_weights, topk_ids)
+        # (the experts' sum over the k lands where the all-reduce reads it: the symmetric buffer, on GPUs
+        # that have one; valid until the next row-parallel product writes there)
+        out = self.experts(x, topk_weights, topk_ids, self.tp.reduce_buffer(x.shape[0], x.shape[1], x.dtype))
         if self.shared_expert is not None:  # (the gate is replicated: scaling each rank's part scales the sum)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial_sums(x)
+            out.add_(torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial_sums(x))
+        if norm_follows and self.tp.defers_sum(out):
+            return PartialSums(out, self.tp)
         return self.tp.all_reduce(out)

@@ -43,7 +43,7 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         qkv, residual = normed_product(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
         hidden = self.self_attn(positions, qkv, batch)
         normed, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(normed), residual
+        return self.mlp(normed, norm_follows=True), residual  # (the next layer's norm, or the model's)
 
 
 class MoeForCausalLM(LlamaForCausalLM):

@@ -259,24 +259,36 @@ def test_abort_waits_a_bounded_time_and_runs_once():
     assert group.calls == 1 and not tp._aborting[0].is_alive()
 
 
-def test_layers_hand_partial_sums_to_the_norm_after_each_product(tiny_model, monkeypatch):
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe", "qwen2-moe"])
+def test_layers_hand_partial_sums_to_the_norm_after_each_product(kind, tiny_model, monkeypatch):
     """Where the fused all-reduce + add + RMSNorm serves (two GPUs with peer access), each row-parallel
-    product hands on PartialSums and the RMSNorm after it (the next layer's, the post-attention one,
-    the final one) sums them. Routed here on one CPU rank through the kernel's reference: the same
-    prompt logprobs as the plain path (every position's final norm and LM head), and every o and down
-    product went that way."""
+    product, and each MoE block (its experts' sum, plus Qwen2-MoE's shared expert), hands on PartialSums
+    and the RMSNorm after it (the next layer's, the post-attention one, the final one) sums them. All of a
+    layer's outputs must: that kernel leaves the residual right on its rank's rows only, which a plain norm
+    after it would read whole. Routed here on one CPU rank through the kernel's reference, as rank 0 of two
+    (the other rows of each new residual NaN): the same prompt logprobs as the plain path (every position's
+    final norm and LM head), and two such sums a layer."""
     from batchgen.kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm_ref
     from batchgen.parallel.tensor_parallel import TensorParallel
 
-    model_dir = tiny_model("llama")
+    model_dir = tiny_model(kind)
     rows = [{"prompt_token_ids": p, "prompt_logprobs": True} for p in prompts() if len(p) > 1]
     scoring = SamplingParams(temperature=0, max_tokens=1)
     plain = generate(model_dir, 1, rows, scoring, device="cpu")
-    calls = []
+    calls, whole_residuals = [], {}
 
     def summed_with_norm(self, partials, residual, weight, eps):
+        """As rank 0 of two sees it: the new residual right on its rows only (the rest NaN here), and the
+        next such call reading its rows alone (the other rank's from the whole residual kept aside)."""
         calls.append(partials.shape)
-        return all_reduce_add_rmsnorm_ref([partials], residual, weight, eps)
+        share = -(-residual.shape[0] // 2)
+        whole = whole_residuals.pop(residual.data_ptr(), None)
+        if whole is not None and whole.shape == residual.shape and residual[share:].isnan().all():
+            residual = whole
+        normed, residual = all_reduce_add_rmsnorm_ref([partials], residual, weight, eps)
+        whole_residuals[residual.data_ptr()] = residual.clone()
+        residual[share:] = float("nan")
+        return normed, residual
 
     monkeypatch.setattr(TensorParallel, "defers_sum", lambda self, partials: True)
     monkeypatch.setattr(TensorParallel, "all_reduce_add_rmsnorm", summed_with_norm)

@@ -68,6 +68,21 @@ def test_fused_moe(device, assert_close, dtype, num_tokens, num_experts, top_k, 
     assert_close(got, fused_moe_reference(x, w13, w2, topk_weights, topk_ids), scale=2)
 
 
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_fused_moe_writes_into_out(device, top_k):
+    """out (the tensor-parallel all-reduce's buffer, where the layer hands its sum on): the sum over the k is
+    written there, the very values fused_moe gives without it."""
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(17, 8, top_k, 48, 40, torch.bfloat16, device)
+    want = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, SMALL)
+    out = torch.full_like(x, float("nan"))
+    got = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, SMALL, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
+    ref = fused_moe_module.fused_moe(x.cpu(), w13.cpu(), w2.cpu(), topk_weights.cpu(), topk_ids.cpu())
+    out = torch.full_like(ref, float("nan"))
+    assert fused_moe_module.fused_moe(x.cpu(), w13.cpu(), w2.cpu(), topk_weights.cpu(), topk_ids.cpu(), out=out) is out
+    assert torch.equal(out, ref)
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_default_config(device, assert_close, dtype):
     """pick_config's tiles (16-slot blocks, K steps of 128 past H) at an H and I of a few steps."""
