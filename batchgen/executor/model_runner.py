@@ -60,6 +60,7 @@ class ModelRunner:
                                  quantization=config.quantization)
         if config.batch_invariant:  # (refused for MoE and FP8 models, on every device)
             self.model.use_batch_invariant_kernels()
+        self.model.agree_on_deferred_sums()
         if self.device.type == "cpu":
             keep_freed_memory()
             self.model.pack_weights()

@@ -112,6 +112,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(PackableWeight, nn.Module):
+    defer_sum = True  # False where another sum before a norm in the model cannot defer (agree_on_deferred_sums)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE):
         super().__init__()
         self.tp = tp
@@ -137,6 +139,12 @@ class RowParallelLinear(PackableWeight, nn.Module):
         else:
             _copy(param, loaded.reshape(-1))
 
+    def can_defer_sum(self) -> bool:
+        """Whether forward may hand its partial sums on unsummed: no bias to add after the sum, not the
+        batch-invariant mode, and a product that writes where the all-reduce reads (an FP8 product makes a
+        tensor of its own)."""
+        return self.bias is None and self.fp8 is None and not self.batch_invariant
+
     def forward(
         self, x: torch.Tensor, silu_mul: bool = False, norm_follows: bool = False
     ) -> torch.Tensor | DeferredSum:
@@ -153,10 +161,20 @@ class RowParallelLinear(PackableWeight, nn.Module):
         y = self.matmul(x, silu_mul=silu_mul and x.shape[-1] == 2 * self.in_per_rank, out=out, parts_ok=parts_ok)
         if y.dim() == x.dim() + 1:  # split-K parts [S, T, out] (parts_ok): the norm after the product sums them
             return SplitParts(y)
-        if norm_follows and self.bias is None and not self.batch_invariant and self.tp.defers_sum(y):
+        if norm_follows and self.defer_sum and self.can_defer_sum() and self.tp.defers_sum(y):
             return PartialSums(y, self.tp)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+def agree_on_deferred_sums(sums: list) -> None:
+    """sums: every module of a model whose output an add + RMSNorm takes next (RowParallelLinear, the MoE
+    block), each with can_defer_sum() and defer_sum. The fused all-reduce + add + RMSNorm leaves the residual
+    right on its rank's own rows only, so once one norm of a forward takes partial sums every later one must:
+    they defer all, or none."""
+    every = all(module.can_defer_sum() for module in sums)
+    for module in sums:
+        module.defer_sum = every
 
 
 class DeferredSum:

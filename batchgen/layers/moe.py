@@ -168,6 +168,8 @@ class SharedExpert(nn.Module):
 class SparseMoeBlock(nn.Module):
     """The MoE MLP of one layer; forward takes the normed hidden states and returns the summed output."""
 
+    defer_sum = True  # False where another sum before a norm in the model cannot defer (agree_on_deferred_sums)
+
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, renormalize: bool,
                  shared_intermediate: int = 0, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -183,6 +185,10 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ColumnParallelLinear(hidden, 1, False, SINGLE)
             self.shared_expert_gate.routes_tokens = True
 
+    def can_defer_sum(self) -> bool:
+        """The experts' sum is written where the all-reduce reads it, in every form."""
+        return True
+
     def forward(self, x: torch.Tensor, norm_follows: bool = False) -> torch.Tensor | PartialSums:
         """x [T, H] -> [T, H]. norm_follows: the caller's add + RMSNorm takes the output next, so it may get
         the ranks' PartialSums, which that norm sums in its own kernel (as RowParallelLinear hands them on)."""
@@ -192,6 +198,6 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(x, topk_weights, topk_ids, self.tp.reduce_buffer(x.shape[0], x.shape[1], x.dtype))
         if self.shared_expert is not None:  # (the gate is replicated: scaling each rank's part scales the sum)
             out.add_(torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial_sums(x))
-        if norm_follows and self.tp.defers_sum(out):
+        if norm_follows and self.defer_sum and self.tp.defers_sum(out):
             return PartialSums(out, self.tp)
         return self.tp.all_reduce(out)

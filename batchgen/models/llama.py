@@ -5,8 +5,9 @@ SmolLM2. A layer's dataflow:
        -> norm -> gate/up -> silu*mul -> down (+all-reduce) -> residual
 
 Under tensor parallelism on GPUs with symmetric memory each all-reduce is one kernel with the
-residual add and RMSNorm after it (the products hand on PartialSums); on one Hopper GPU the o and
-down projections of 2 to 64 rows hand on split-K parts to theirs the same way (kernels/tile_gemm.py).
+residual add and RMSNorm after it (the products hand on PartialSums: all of a model's, or none where one
+of them cannot, as an FP8 product); on one Hopper GPU the o and down projections of 2 to 64 rows hand
+on split-K parts to theirs the same way (kernels/tile_gemm.py).
 On one GPU a decode of one sequence runs each layer's norm + MLP in one launch, which hands on its
 fp32 sum the same way (layers/one_row_mlp.py).
 """
@@ -19,7 +20,13 @@ from batchgen.layers.attention import Attention
 from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from batchgen.layers.forward_batch import ForwardBatch
 from batchgen.layers.layernorm import RMSNorm, normed_product
-from batchgen.layers.linear import DeferredSum, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from batchgen.layers.linear import (
+    DeferredSum,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    agree_on_deferred_sums,
+)
 from batchgen.layers.one_row_mlp import OneRowMLP, one_row_mlps
 from batchgen.layers.packed_linear import PackableWeight
 from batchgen.layers.rotary import RotaryEmbedding
@@ -76,6 +83,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp) if mlp is None else mlp
         self.one_row_mlp: OneRowMLP | None = None  # LlamaForCausalLM.use_one_row_mlps
 
+    def sums_before_norms(self) -> list[nn.Module]:
+        """The modules whose output an add + RMSNorm takes next (the post-attention one, the next layer's)."""
+        return [self.self_attn.o_proj, self.mlp.down_proj]
+
     def forward(self, positions, hidden, residual, batch: ForwardBatch):
         # each norm and the product after it: one launch for one row on a GPU (layernorm.normed_product)
         qkv, residual = normed_product(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
@@ -125,6 +136,11 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(hidden, residual)[0][idx]
         hidden, _ = self.norm(hidden[idx], residual[idx])
         return hidden
+
+    def agree_on_deferred_sums(self) -> None:
+        """After loading (FP8 layers known) and the batch-invariant choice: the layers' sums go to the norms
+        after them unsummed all, or none (layers/linear.agree_on_deferred_sums)."""
+        agree_on_deferred_sums([module for layer in self.layers for module in layer.sums_before_norms()])
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         return self.lm_head(hidden, fp32)

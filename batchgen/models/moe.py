@@ -39,6 +39,9 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         )
         super().__init__(cfg, rotary, tp, mlp=moe)
 
+    def sums_before_norms(self) -> list[nn.Module]:
+        return [self.self_attn.o_proj, self.mlp]
+
     def forward(self, positions, hidden, residual, batch: ForwardBatch):
         qkv, residual = normed_product(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
         hidden = self.self_attn(positions, qkv, batch)

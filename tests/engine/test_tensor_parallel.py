@@ -259,22 +259,25 @@ def test_abort_waits_a_bounded_time_and_runs_once():
     assert group.calls == 1 and not tp._aborting[0].is_alive()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3-moe", "qwen2-moe"])
-def test_layers_hand_partial_sums_to_the_norm_after_each_product(kind, tiny_model, monkeypatch):
+@pytest.mark.parametrize("kind,quantization", [("llama", None), ("qwen3-moe", None), ("qwen2-moe", None),
+                                               ("qwen3-moe", "fp8"), ("llama", "fp8")])
+def test_layers_hand_partial_sums_to_the_norm_after_each_product(kind, quantization, tiny_model, monkeypatch):
     """Where the fused all-reduce + add + RMSNorm serves (two GPUs with peer access), each row-parallel
     product, and each MoE block (its experts' sum, plus Qwen2-MoE's shared expert), hands on PartialSums
     and the RMSNorm after it (the next layer's, the post-attention one, the final one) sums them. All of a
-    layer's outputs must: that kernel leaves the residual right on its rank's rows only, which a plain norm
-    after it would read whole. Routed here on one CPU rank through the kernel's reference, as rank 0 of two
-    (the other rows of each new residual NaN): the same prompt logprobs as the plain path (every position's
-    final norm and LM head), and two such sums a layer."""
+    model's sums before norms must, or none: that kernel leaves the residual right on its rank's rows only,
+    which a plain norm after it would read whole. FP8 products make tensors of their own, so with
+    --quantization fp8 none defers, the MoE blocks neither. Routed here on one CPU rank through the kernel's
+    reference, as rank 0 of two (the other rows of each new residual NaN): the same prompt logprobs as the
+    plain path (every position's final norm and LM head), and two such sums a layer (none for fp8)."""
     from batchgen.kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm_ref
     from batchgen.parallel.tensor_parallel import TensorParallel
 
     model_dir = tiny_model(kind)
     rows = [{"prompt_token_ids": p, "prompt_logprobs": True} for p in prompts() if len(p) > 1]
     scoring = SamplingParams(temperature=0, max_tokens=1)
-    plain = generate(model_dir, 1, rows, scoring, device="cpu")
+    options = {"quantization": quantization} if quantization else {}
+    plain = generate(model_dir, 1, rows, scoring, device="cpu", **options)
     calls, whole_residuals = [], {}
 
     def summed_with_norm(self, partials, residual, weight, eps):
@@ -292,8 +295,11 @@ def test_layers_hand_partial_sums_to_the_norm_after_each_product(kind, tiny_mode
 
     monkeypatch.setattr(TensorParallel, "defers_sum", lambda self, partials: True)
     monkeypatch.setattr(TensorParallel, "all_reduce_add_rmsnorm", summed_with_norm)
-    routed = generate(model_dir, 1, rows, scoring, device="cpu")
+    routed = generate(model_dir, 1, rows, scoring, device="cpu", **options)
     for a, b in zip(plain, routed):
         torch.testing.assert_close(torch.tensor(b["prompt_logprobs"]), torch.tensor(a["prompt_logprobs"]))
     layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-    assert calls and len(calls) % (2 * layers) == 0  # two products a layer, every forward
+    if quantization:
+        assert not calls
+    else:
+        assert calls and len(calls) % (2 * layers) == 0  # two products a layer, every forward
