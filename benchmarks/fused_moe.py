@@ -15,7 +15,7 @@ fused_moe_reference, then timed with CUDA events (warm-up first: Triton compiles
   ref_us    fused_moe_reference, eager;
   align_us  the align alone in a graph: the Triton kernels and the torch ops (`us` includes the one
             moe_align picks);
-  router_us select_experts alone in a graph (not in `us`).
+  router_us select_experts alone in a graph (not in `us`); router_torch_us its torch ops (the CPU's path).
 Bytes are the touched experts' weights read once (distinct experts hit * 3 * H * I * 2, or * 1 for fp8) plus x read and
 the output written; GB/s is those over `us`, bw_frac over the GPU's bandwidth (H200 4.8 TB/s, H100
 3.35 TB/s, by torch.cuda.get_device_name). The issue's target: T = 256 at >= 0.70 of it.
@@ -38,10 +38,10 @@ from batchgen.kernels.fused_moe import (
     fused_moe_reference,
     fused_moe_triton,
     quantize_experts,
-    select_experts,
 )
 from batchgen.kernels.moe_align import moe_align_torch, moe_align_triton
 from batchgen.kernels.moe_config import GemmTile, MoeConfig, pick_config
+from batchgen.kernels.moe_router import select_experts, select_experts_torch
 
 MODELS = {
     "qwen3-30b-a3b": dict(num_experts=128, top_k=8, hidden=2048, inter=768, copies=4),
@@ -153,11 +153,13 @@ def bench(model, shape, layers, num_tokens, peak, form="bf16"):
     align_torch = graph_us([lambda: moe_align_torch(ids, shape["num_experts"], config.block_m)] * 8)
     logits = torch.randn(num_tokens, shape["num_experts"], device=DEVICE)
     router = graph_us([lambda: select_experts(logits, shape["top_k"], True)] * 8)
+    router_torch = graph_us([lambda: select_experts_torch(logits, shape["top_k"], True)] * 8)
     nbytes = touched_bytes(ids, num_tokens, shape["hidden"], shape["inter"], 2 if fp8 is None else 1)
     record = dict(model=model, form=form, inter=shape["inter"], T=num_tokens, experts_hit=ids.unique().numel(),
                   mbytes=round(nbytes / 1e6, 1), us=round(us, 1), us_eager=round(us_eager, 1),
                   ref_us=round(ref_us, 1), align_triton_us=round(align_triton, 1),
-                  align_torch_us=round(align_torch, 1), router_us=round(router, 1), gbps=round(nbytes / us / 1e3, 1),
+                  align_torch_us=round(align_torch, 1), router_us=round(router, 1),
+                  router_torch_us=round(router_torch, 1), gbps=round(nbytes / us / 1e3, 1),
                   ref_gbps=round(nbytes / ref_us / 1e3, 1), max_err=round(max_err, 4), ok=ok,
                   config=repr(tuple(config)))
     if peak:

@@ -450,27 +450,3 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, fp8=fp8, out=out)
     y = fused_moe_reference(x, w13, w2, topk_weights, topk_ids, fp8)
     return y if out is None else out.copy_(y)
-
-
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int32): the softmax in fp32,
-    its k largest, renormalized to sum to 1 over the k if asked (Mixtral,
-    Qwen3-MoE's norm_topk_prob). Three torch ops, sync-free; no Triton kernel measured faster yet."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
-
-
-def select_experts_reference(router_logits: torch.Tensor, top_k: int,
-                             renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The definition in plain steps: exp(l - max) / sum, experts sorted by probability, the first k."""
-    logits = router_logits.float()
-    probs = (logits - logits.amax(dim=-1, keepdim=True)).exp()
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    weights = probs.gather(1, order)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, order.to(torch.int32)

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from batchgen.kernels.e4m3 import FP8, GROUP
-from batchgen.kernels.fused_moe import Fp8Experts, dequantize_experts, fused_moe, quantize_experts, select_experts
+from batchgen.kernels.fused_moe import Fp8Experts, dequantize_experts, fused_moe, quantize_experts
+from batchgen.kernels.moe_router import select_experts
 from batchgen.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, PartialSums, RowParallelLinear
 from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 

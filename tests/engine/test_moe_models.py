@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchgen import LLM, SamplingParams
-from batchgen.kernels.fused_moe import fused_moe_reference, select_experts
+from batchgen.kernels.fused_moe import fused_moe_reference
+from batchgen.kernels.moe_router import select_experts
 from batchgen.layers.moe import FusedExperts
 from batchgen.models.model_config import load_model_config
 from batchgen.parallel.tensor_parallel import TensorParallel

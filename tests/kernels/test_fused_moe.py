@@ -12,11 +12,10 @@ from batchgen.kernels.fused_moe import (
     fused_moe_reference,
     fused_moe_triton,
     quantize_experts,
-    select_experts,
-    select_experts_reference,
 )
 from batchgen.kernels.moe_align import max_slots, moe_align_torch, moe_align_triton
 from batchgen.kernels.moe_config import GemmTile, MoeConfig, default_config, pick_config, warmup_token_counts
+from batchgen.kernels.moe_router import select_experts, select_experts_reference, select_experts_triton
 from tests.kernels.conftest import HAS_CUDA, INTERPRET
 
 # Interpreter-sized tiles: 16-slot blocks, 16 columns, 32-wide K steps (K and N of the cases below are
@@ -162,6 +161,25 @@ def test_select_experts(renormalize, logits_dtype):
     torch.testing.assert_close(weights, want_weights)
     if renormalize:
         torch.testing.assert_close(weights.sum(-1), torch.ones(9))
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (5, 60, 4), (37, 128, 8), (3, 16, 1), (9, 4, 4)])
+def test_select_experts_triton(device, renormalize, num_tokens, num_experts, top_k):
+    """The router's kernel against the definition: the same experts in the same order (no ties in these
+    logits; one row with every logit equal takes the first k), weights within fp32 rounding, any dtype of
+    logits, rows not contiguous."""
+    gen = torch.Generator().manual_seed(num_tokens * 131 + num_experts)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = (torch.randn(num_tokens, num_experts + 3, generator=gen) * 3).to(dtype)
+        if num_tokens > 1:
+            rows[-1] = 0
+        logits = rows[:, :num_experts]  # (rows num_experts + 3 apart)
+        weights, ids = select_experts_triton(logits.to(device), top_k, renormalize)
+        want_weights, want_ids = select_experts_reference(logits, top_k, renormalize)
+        assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (num_tokens, top_k)
+        assert torch.equal(ids.cpu(), want_ids)
+        torch.testing.assert_close(weights.cpu(), want_weights, rtol=1e-5, atol=1e-6)
 
 
 def test_pick_config(monkeypatch):
