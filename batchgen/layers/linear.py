@@ -140,9 +140,10 @@ class RowParallelLinear(PackableWeight, nn.Module):
             _copy(param, loaded.reshape(-1))
 
     def can_defer_sum(self) -> bool:
-        """Whether forward may hand its partial sums on unsummed: no bias to add after the sum, and not the
-        batch-invariant mode."""
-        return self.bias is None and not self.batch_invariant
+        """Whether forward may hand its partial sums on unsummed: no bias to add after the sum, not the
+        batch-invariant mode, and a product that writes where the all-reduce reads (an FP8 product makes a
+        tensor of its own)."""
+        return self.bias is None and self.fp8 is None and not self.batch_invariant
 
     def forward(
         self, x: torch.Tensor, silu_mul: bool = False, norm_follows: bool = False

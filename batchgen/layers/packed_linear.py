@@ -106,10 +106,8 @@ class PackableWeight:
         pair [T, out]. parts_ok: the caller sums split-K parts, which the tile kernel may return instead,
         fp32 [S, T, out]. out [T, out]: where the GPU's product (no bias) is written, unless it comes
         in parts; the CPU's packed product returns a new tensor."""
-        if self.fp8 is not None:  # (the pair [T, out] for silu_mul_out; a new tensor, copied into out where
-            # given: the copy the all-reduce would make, and the norm after it can then sum it in place)
-            y = self.fp8.product(self, x, bias, silu_mul, parts_ok)
-            return y if out is None or y.shape != out.shape else out.copy_(y)
+        if self.fp8 is not None:  # (the pair [T, out] for silu_mul_out, a new tensor)
+            return self.fp8.product(self, x, bias, silu_mul, parts_ok)
         if self.batch_invariant and x.is_cuda:
             return self.invariant_product(x, bias, silu_mul, out, parts_ok, silu_mul_out)
         if self.streams(x):

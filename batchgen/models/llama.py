@@ -6,7 +6,7 @@ SmolLM2. A layer's dataflow:
 
 Under tensor parallelism on GPUs with symmetric memory each all-reduce is one kernel with the
 residual add and RMSNorm after it (the products hand on PartialSums: all of a model's, or none where one
-of them cannot, as a biased one); on one Hopper GPU the o and down projections of 2 to 64 rows hand
+of them cannot, as an FP8 product); on one Hopper GPU the o and down projections of 2 to 64 rows hand
 on split-K parts to theirs the same way (kernels/tile_gemm.py).
 On one GPU a decode of one sequence runs each layer's norm + MLP in one launch, which hands on its
 fp32 sum the same way (layers/one_row_mlp.py).

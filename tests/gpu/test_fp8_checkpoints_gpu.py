@@ -62,9 +62,6 @@ def test_fp8_products_on_cuda_round_as_the_cpu_path(form, checkpoints):
             for rows in ROWS:
                 x = torch.randn(rows, layer.weight.shape[1], device="cuda", generator=gen).to(torch.bfloat16)
                 got = layer.matmul(x, layer.bias)
-                if layer.bias is None:  # (where a row-parallel product's sum goes under TP: the all-reduce's buffer)
-                    out = torch.full_like(got, float("nan"))
-                    assert layer.matmul(x, out=out) is out and torch.equal(out, got)
                 rounded = round_activations(x.float(), form_.activations, layer.input_scale, form_.block)
                 want = F.linear(rounded, dequantize_weight_ref(layer.weight, layer.weight_scale))
                 torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
