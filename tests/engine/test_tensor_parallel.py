@@ -303,3 +303,19 @@ def test_layers_hand_partial_sums_to_the_norm_after_each_product(kind, quantizat
         assert not calls
     else:
         assert calls and len(calls) % (2 * layers) == 0  # two products a layer, every forward
+
+
+def test_sums_before_norms_defer_all_or_none(tiny_model):
+    """One sum that cannot defer (here a biased product) keeps every other one of the model, the MoE blocks
+    too, on the plain all-reduce: a fused norm before a plain one would leave it half the residual's rows stale."""
+    llm = LLM(str(tiny_model("qwen3-moe")), dtype="float32", device="cpu")
+    try:
+        model = llm.engine.runner.model
+        sums = [module for layer in model.layers for module in layer.sums_before_norms()]
+        assert len(sums) == 2 * len(model.layers) and all(module.defer_sum for module in sums)
+        down = model.layers[1].mlp.down_proj  # (the dense layer's)
+        down.bias = torch.nn.Parameter(torch.zeros(down.weight.shape[0]), requires_grad=False)
+        model.agree_on_deferred_sums()
+        assert not any(module.defer_sum for module in sums)
+    finally:
+        llm.close()
