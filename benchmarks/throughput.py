@@ -55,6 +55,7 @@ runs the step's forward).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import random
@@ -70,6 +71,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchgen import LLM, SamplingParams  # noqa: E402
 from batchgen.config import LOAD_FORMATS  # noqa: E402
 from batchgen.engine.request import chat_text  # noqa: E402
+
+faulthandler.enable()  # a crash in native code (a segfault, an abort) still leaves its Python stack on stderr
 
 MODELS = {
     "llama-3.2-1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
