@@ -10,10 +10,10 @@ from batchgen.kernels.fused_moe import (
     fused_moe_reference,
     fused_moe_triton,
     quantize_experts,
-    select_experts,
 )
 from batchgen.kernels.moe_align import TRITON_MAX_PAIRS, moe_align_torch, moe_align_triton
 from batchgen.kernels.moe_config import pick_config
+from batchgen.kernels.moe_router import select_experts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
