@@ -72,7 +72,9 @@ from batchgen import LLM, SamplingParams  # noqa: E402
 from batchgen.config import LOAD_FORMATS  # noqa: E402
 from batchgen.engine.request import chat_text  # noqa: E402
 
-faulthandler.enable()  # a crash in native code (a segfault, an abort) still leaves its Python stack on stderr
+# a crash in native code (a segfault, an abort) still leaves its Python stack on the process's stderr (the
+# original one: under pytest's capture sys.stderr has no file descriptor)
+faulthandler.enable(file=sys.__stderr__)
 
 MODELS = {
     "llama-3.2-1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
