@@ -8,7 +8,8 @@ each a SiLU-gated MLP, and the token's output is their weighted sum.
 Tensor parallel: the router is replicated (every rank picks the same experts); each expert's
 intermediate dimension is split over the ranks (column slices of gate and up, row slice of down), so
 each rank computes a partial sum of every token's output, which one all-reduce sums (as
-RowParallelLinear's). The shared expert is split the same way and joins that one all-reduce.
+RowParallelLinear's: where the add + RMSNorm after it sums it in its own kernel, the block hands on
+PartialSums). The shared expert is split the same way and joins that one all-reduce.
 """
 from __future__ import annotations
 
