@@ -60,6 +60,14 @@ class Fp8Experts(NamedTuple):
         """The columns an input's rounding scale covers (kernels/e4m3.py): a group of 128, or the whole row."""
         return GROUP if self.block else None
 
+    @staticmethod
+    def scale_shapes(num_experts: int, hidden: int, inter: int, block: bool) -> tuple[tuple[int, ...], ...]:
+        """(w13_scale's shape, w2_scale's shape): the class docstring's grids."""
+        if not block:
+            return (num_experts, 2 * inter), (num_experts, hidden)
+        inter_blocks, hidden_blocks = triton.cdiv(inter, GROUP), triton.cdiv(hidden, GROUP)
+        return (num_experts, 2 * inter_blocks, hidden_blocks), (num_experts, hidden_blocks, inter_blocks)
+
 
 GROUP_M = tl.constexpr(8)  # blocks whose column tiles run together (_program_tile)
 SCALE_GROUP = tl.constexpr(GROUP)  # columns a block scale (and an input's group scale) covers
@@ -281,9 +289,7 @@ def _check_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, fp8: Fp
         assert x.dtype == w13.dtype == w2.dtype
         return
     assert w13.dtype == w2.dtype == FP8 and fp8.w13_scale is not None and fp8.w2_scale is not None
-    inter, blocks = two_inter // 2, triton.cdiv
-    want = ((num_experts, 2 * blocks(inter, GROUP), blocks(hidden, GROUP)), (num_experts, blocks(hidden, GROUP),
-            blocks(inter, GROUP))) if fp8.block else ((num_experts, two_inter), (num_experts, hidden))
+    want = Fp8Experts.scale_shapes(num_experts, hidden, two_inter // 2, fp8.block)
     assert (tuple(fp8.w13_scale.shape), tuple(fp8.w2_scale.shape)) == want, "scales of another form"
 
 
@@ -398,12 +404,12 @@ def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, block: bool) -> tuple[
         return torch.stack(q), torch.stack(s)
 
     if block:
-        (qg, sg), (qu, su) = each(w13[:, :inter]), each(w13[:, inter:])
-        q13, s13 = torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1)
+        (gate, gate_scale), (up, up_scale) = each(w13[:, :inter]), each(w13[:, inter:])
+        w13_q, w13_scale = torch.cat([gate, up], dim=1), torch.cat([gate_scale, up_scale], dim=1)
     else:
-        q13, s13 = each(w13)
-    q2, s2 = each(w2)
-    return q13, q2, Fp8Experts(s13, s2, block)
+        w13_q, w13_scale = each(w13)
+    w2_q, w2_scale = each(w2)
+    return w13_q, w2_q, Fp8Experts(w13_scale, w2_scale, block)
 
 
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

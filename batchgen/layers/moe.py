@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchgen.kernels.e4m3 import FP8, GROUP
+from batchgen.kernels.e4m3 import FP8
 from batchgen.kernels.fused_moe import Fp8Experts, dequantize_experts, fused_moe, quantize_experts
 from batchgen.kernels.moe_router import select_experts
 from batchgen.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, PartialSums, RowParallelLinear
@@ -54,11 +54,7 @@ class FusedExperts(nn.Module):
         num_experts, two_inter, hidden = self.w13.shape
         for name, shape in (("w13", (num_experts, two_inter, hidden)), ("w2", (num_experts, hidden, self.inter))):
             setattr(self, name, _param(torch.empty(shape, dtype=FP8, device=self.w13.device), self.weight_loader))
-        if block:
-            w13_grid = (num_experts, 2 * _blocks(self.inter), _blocks(hidden))
-            w2_grid = (num_experts, _blocks(hidden), _blocks(self.inter))
-        else:
-            w13_grid, w2_grid = (num_experts, two_inter), (num_experts, hidden)
+        w13_grid, w2_grid = Fp8Experts.scale_shapes(num_experts, hidden, self.inter, block)
         self.w13_scale = _param(torch.zeros(w13_grid, device=self.w13.device), self.scale_loader)
         self.w2_scale = _param(torch.zeros(w2_grid, device=self.w13.device), self.scale_loader)
         self.fp8 = Fp8Experts(self.w13_scale, self.w2_scale, block)
@@ -135,10 +131,6 @@ class FusedExperts(nn.Module):
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """-> this rank's partial sums [T, H] (in out where given)."""
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.fp8, out)  # (the torch reference on CPU)
-
-
-def _blocks(n: int) -> int:
-    return -(-n // GROUP)
 
 
 def _param(tensor: torch.Tensor, loader=None) -> nn.Parameter:
