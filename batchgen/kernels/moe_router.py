@@ -43,15 +43,20 @@ def _router_kernel(
     logits = tl.where(row_ok[:, None], logits, 0.0)  # (rows past T: finite, never stored)
     p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = p / tl.sum(p, axis=1)[:, None]
+    # What the picks rank: the probabilities, NaN above them all (as torch's sort ranks it), the padding
+    # columns below: every id names an expert whatever the logits (a NaN row of a graph's padding included)
+    key = tl.where(probs == probs, probs, 2.0)
+    key = tl.where(experts[None, :] < num_experts, key, -2.0)
     weights = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=1)
+        best = tl.max(key, axis=1)
         # the first expert holding it (torch.topk's order among equal values is not promised either)
-        pick = tl.min(tl.where(probs == best[:, None], experts[None, :], BLOCK_E), axis=1)
-        weights = tl.where(picks[None, :] == j, best[:, None], weights)
+        pick = tl.min(tl.where(key == best[:, None], experts[None, :], BLOCK_E), axis=1)
+        weight = tl.where(best > 1.5, float("nan"), best)
+        weights = tl.where(picks[None, :] == j, weight[:, None], weights)
         ids = tl.where(picks[None, :] == j, pick[:, None], ids)
-        probs = tl.where(experts[None, :] == pick[:, None], -1.0, probs)  # (probabilities are >= 0)
+        key = tl.where(experts[None, :] == pick[:, None], -3.0, key)  # (below every other column)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, axis=1)[:, None]  # (picks past TOP_K hold 0)
     out = rows[:, None] * TOP_K + picks[None, :]

@@ -182,6 +182,24 @@ def test_select_experts_triton(device, renormalize, num_tokens, num_experts, top
         torch.testing.assert_close(weights.cpu(), want_weights, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_select_experts_triton_names_an_expert_whatever_the_logits(device, renormalize):
+    """Rows with a NaN or an infinite logit (a CUDA graph's padding rows can read NaN from unwritten memory)
+    still get k distinct experts in range, in the definition's order (NaN ranked first, as torch's sort
+    does), with NaN weights: an id past the experts would send the align kernels out of bounds."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[nan] * 6, [0.5, nan, 1.0, 2.0, -1.0, 0.0], [0.0, inf, 1.0, 2.0, 3.0, 4.0],
+                           [0.1, 0.2, 3.0, 0.3, 2.5, 0.4], [-inf, 0.0, 1.0, -inf, 2.0, 3.0]])
+    for top_k in (1, 2, 6):
+        weights, ids = select_experts_triton(logits.to(device), top_k, renormalize)
+        want_weights, want_ids = select_experts_reference(logits, top_k, renormalize)
+        ids = ids.cpu()
+        assert ((ids >= 0) & (ids < 6)).all() and all(len(set(row.tolist())) == top_k for row in ids)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights.cpu(), want_weights, rtol=1e-5, atol=1e-6, equal_nan=True)
+        assert weights[:3].isnan().all() and not weights[3:].isnan().any()
+
+
 def test_pick_config(monkeypatch):
     """A tuned shape takes the entry of the nearest tuned batch at or above T (past the largest: the
     largest); other shapes the default, 16-slot blocks while an expert gets a few pairs."""
