@@ -35,6 +35,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the checkpoint's half dtype on CUDA; on CPU bf16 where native, else fp32
     device: str = "auto"
     tensor_parallel_size: int = 1
+    # MoE models under TP: each rank holds whole experts (E / tp of them), not a slice of every expert
+    expert_parallel: bool = False
     data_parallel_size: int | str = 1  # engine replicas, each on its own GPU or TP group; "auto": every visible GPU
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # per-step token budget; None: 8192 on CUDA, 2048 on CPU

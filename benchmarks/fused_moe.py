@@ -23,7 +23,9 @@ the output written; GB/s is those over `us`, bw_frac over the GPU's bandwidth (H
 --tune also sweeps BLOCK_M and each product's (BLOCK_N, BLOCK_K, warps, stages) per T (each product
 timed alone on the same aligned slots; the best pair then timed together per BLOCK_M) and prints the
 best configs as entries of moe_config.TUNED (TUNED_FP8 for an fp8 form) to paste into kernels/moe_config.py. One
-JSON line per measurement; a table last. --tp 2 times the shard of I a GPU holds under tensor parallelism.
+JSON line per measurement; a table last. --tp 2 times the shard of I a GPU holds under tensor parallelism;
+with --expert-parallel, the E / tp experts a GPU holds whole instead (rank 0's: the pairs routed to others
+given no slot, the sum over its own pairs; bytes count its touched experts).
 """
 import argparse
 import itertools
@@ -131,21 +133,22 @@ def eager_us(call, reps=REPS) -> float:
     return statistics.median(times)
 
 
-def touched_bytes(ids, num_tokens, hidden, inter, weight_bytes=2) -> int:
-    distinct = ids.unique().numel()
+def touched_bytes(ids, num_tokens, hidden, inter, weight_bytes=2, local_experts=None) -> int:
+    distinct = ids.unique().numel() if local_experts is None else (ids.unique() < local_experts).sum().item()
     return distinct * 3 * hidden * inter * weight_bytes + 2 * num_tokens * hidden * 2
 
 
 def bench(model, shape, layers, num_tokens, peak, form="bf16"):
     x, weights, ids = make_batch(num_tokens, shape["num_experts"], shape["top_k"], shape["hidden"])
     w13, w2, fp8 = layers[0]
-    got = fused_moe_triton(x, w13, w2, weights, ids, fp8=fp8)
+    shard = dict(routed_experts=shape["num_experts"])  # (rank 0's experts: the first w13.shape[0])
+    got = fused_moe_triton(x, w13, w2, weights, ids, fp8=fp8, **shard)
     want = fused_moe_reference(x, w13, w2, weights, ids, fp8)
     max_err = (got.float() - want.float()).abs().max().item()
     ok = close_to(got, want, form)
-    us = graph_us([lambda w13=w13, w2=w2, fp8=fp8: fused_moe_triton(x, w13, w2, weights, ids, fp8=fp8)
+    us = graph_us([lambda w13=w13, w2=w2, fp8=fp8: fused_moe_triton(x, w13, w2, weights, ids, fp8=fp8, **shard)
                    for w13, w2, fp8 in layers])
-    us_eager = eager_us(lambda: fused_moe_triton(x, w13, w2, weights, ids, fp8=fp8))
+    us_eager = eager_us(lambda: fused_moe_triton(x, w13, w2, weights, ids, fp8=fp8, **shard))
     ref_us = eager_us(lambda: fused_moe_reference(x, w13, w2, weights, ids, fp8), reps=3)
     config = pick_config(num_tokens, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"],
                             x.device, fp8=None if form == "bf16" else form)
@@ -154,8 +157,9 @@ def bench(model, shape, layers, num_tokens, peak, form="bf16"):
     logits = torch.randn(num_tokens, shape["num_experts"], device=DEVICE)
     router = graph_us([lambda: select_experts(logits, shape["top_k"], True)] * 8)
     router_torch = graph_us([lambda: select_experts_torch(logits, shape["top_k"], True)] * 8)
-    nbytes = touched_bytes(ids, num_tokens, shape["hidden"], shape["inter"], 2 if fp8 is None else 1)
-    record = dict(model=model, form=form, inter=shape["inter"], T=num_tokens, experts_hit=ids.unique().numel(),
+    nbytes = touched_bytes(ids, num_tokens, shape["hidden"], shape["inter"], 2 if fp8 is None else 1, w13.shape[0])
+    record = dict(model=model, form=form, inter=shape["inter"], experts=w13.shape[0], T=num_tokens,
+                  experts_hit=(ids.unique() < w13.shape[0]).sum().item(),
                   mbytes=round(nbytes / 1e6, 1), us=round(us, 1), us_eager=round(us_eager, 1),
                   ref_us=round(ref_us, 1), align_triton_us=round(align_triton, 1),
                   align_torch_us=round(align_torch, 1), router_us=round(router, 1),
@@ -245,9 +249,13 @@ def main():
     parser.add_argument("--tp", default="1", help="tensor-parallel degrees: a GPU holds I / tp of each expert")
     parser.add_argument("--fp8", default="bf16", help="the experts' forms: bf16, channel, block (comma-separated)")
     parser.add_argument("--tune", action="store_true", help="sweep the block sizes and print TUNED's entries")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="under --tp N a GPU holds E / N experts whole, not I / N of each")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
+    if args.tune and args.expert_parallel:  # (a GPU's experts get the pairs they get on one: the whole model's table)
+        parser.error("--tune tunes the whole model's shape; leave out --expert-parallel")
     forms = args.fp8.split(",")
     if set(forms) - {"bf16", "channel", "block"}:
         parser.error("--fp8 takes bf16, channel and block")
@@ -257,8 +265,10 @@ def main():
     tuned = {}
     for model, tp, form in itertools.product(args.models.split(","), [int(t) for t in args.tp.split(",")], forms):
         shape = dict(MODELS[model])
-        shape["inter"] //= tp
-        layers = make_layer(**shape, form=form)
+        if not args.expert_parallel:
+            shape["inter"] //= tp
+        layers = make_layer(**{**shape, "num_experts": shape["num_experts"] // (tp if args.expert_parallel else 1)},
+                            form=form)
         for num_tokens in tokens:
             bench(model, shape, layers, num_tokens, peak, form)
             if args.tune:

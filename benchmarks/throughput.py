@@ -615,8 +615,12 @@ def main(argv=None):
     ap.add_argument("--plot", help="write a PNG bar chart of this run's lines")
     ap.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                     help="dummy: write only each model's config.json and tokenizer; batchgen makes random weights")
+    ap.add_argument("--expert-parallel", action="store_true",
+                    help="MoE models under -tp N: each GPU holds 1/N of the experts whole (EngineConfig.expert_parallel)")
     args = ap.parse_args(argv)
     ENGINE_OPTIONS["load_format"] = args.load_format
+    if args.expert_parallel:
+        ENGINE_OPTIONS["expert_parallel"] = True
     lines = []
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     for name in args.model:
@@ -625,6 +629,7 @@ def main(argv=None):
             requests = make_requests(workload, MODELS[name][1]["vocab_size"])[: args.requests]
             line = {"workload": workload, "model": name, "gpu": gpu, "tp": args.tensor_parallel_size,
                     **({"load_format": "dummy"} if args.load_format == "dummy" else {}),
+                    **({"expert_parallel": True} if args.expert_parallel else {}),
                     "torch": torch.__version__, "requests": len(requests), "temperature": args.temperature}
             if workload == "W-node":
                 one = run_node(model_dir, requests, args.temperature, 1, args.tensor_parallel_size,

@@ -52,6 +52,7 @@ def _engine_setup(options: dict) -> _EngineSetup:
     o = options
     engine_options = dict(
         dtype=o["dtype"].value, device=o["device"].value, tensor_parallel_size=o["tensor_parallel_size"],
+        expert_parallel=o["expert_parallel"],
         data_parallel_size=_data_parallel_size(o["data_parallel_size"]),
         max_num_seqs=o["max_num_seqs"], max_num_batched_tokens=o["max_num_batched_tokens"],
         gpu_memory_utilization=o["gpu_memory_utilization"], max_model_len=o["max_model_len"],

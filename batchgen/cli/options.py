@@ -84,6 +84,9 @@ ENGINE_OPTIONS = (
     _option("device", Device, Device.auto, panel=ENGINE, help="auto: CUDA if available, else CPU."),
     _option("tensor_parallel_size", int, 1, "-tp", "--tensor-parallel-size", panel=ENGINE, max=INT32_MAX,
             help="GPUs to split the model over."),
+    _option("expert_parallel", bool, False, panel=ENGINE,
+            help="Mixture-of-experts models under --tensor-parallel-size N: each GPU holds 1/N of the experts "
+                 "whole, instead of 1/N of every expert's features (the experts must divide by N)."),
     _option("data_parallel_size", str, "1", "-dp", "--data-parallel-size", panel=ENGINE, metavar="N|auto",
             help="Engine replicas, each on its own GPU (or its own --tensor-parallel-size GPUs), fed from one "
                  "input into one output; auto: every visible GPU. On a CPU the replicas share the cores."),

@@ -100,6 +100,7 @@ class LLMEngine:
             "quantization": describe_scheme(resolve_scheme(self.model_cfg.quantization, self.config.quantization)),
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "tensor_parallel_all_reduce": self.runner.tp.all_reduce_path,
+            "expert_parallel": self.runner.tp.expert_parallel and self.model_cfg.num_experts > 0,
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "seed": self.config.seed,
             "batch_invariant": self.config.batch_invariant,

@@ -3,6 +3,7 @@ its StepInputs, by CUDA graph or eagerly (every tensor-parallel rank; ranks othe
 steps and sampling)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -42,6 +43,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: ModelConfig, tp: TensorParallel = SINGLE):
         self.config = config
         self.model_cfg = model_cfg
+        if tp.size > 1 and config.expert_parallel:
+            tp = dataclasses.replace(tp, expert_parallel=True)
         self.tp = tp
         self.device = resolve_device(config.device)
         if self.device.type == "cuda" and tp.size > 1:  # one GPU per rank; the caller made it current

@@ -17,6 +17,10 @@ kernels/e4m3.py), and the dots run fp8 x fp8 -> fp32, each K step's added to the
 tensor cores sum a long K in reduced precision), scaled at the end (channels) or at each step (blocks:
 BLOCK_K divides 128, so a step lies in one group). The rounding is the dense fp8 products' (kernels/fp8_gemm.py).
 
+Expert parallelism (layers/moe.py): w13 and w2 hold the rank's experts first_expert .. first_expert + E - 1
+of the model's routed_experts, whole; the align gives other ranks' pairs no slot, and step 3 sums each
+token's kept pairs only (kernels/moe_sum.py), so each rank's out is a partial sum over the ranks.
+
 A block reads its expert's weight tile once for all its slots; at decode (a few pairs an expert,
 16- or 32-slot blocks) each touched expert's weights are streamed about once. Block sizes:
 kernels/moe_config.py. Nothing is read back to the host: the whole layer is CUDA-graph capturable.
@@ -35,6 +39,7 @@ from batchgen.kernels.e4m3 import FP8, GROUP, dequantize_weight_ref, quantize_we
 from batchgen.kernels.fp8_gemm import quantize
 from batchgen.kernels.moe_align import moe_align
 from batchgen.kernels.moe_config import GemmTile, MoeConfig, pick_config
+from batchgen.kernels.moe_sum import sum_kept_pairs
 
 
 class Fp8Experts(NamedTuple):
@@ -351,19 +356,23 @@ def down_weighted(h: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, config: MoeConfig | None = None,
-                     fp8: Fp8Experts | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     fp8: Fp8Experts | None = None, out: torch.Tensor | None = None,
+                     first_expert: int = 0, routed_experts: int | None = None) -> torch.Tensor:
     """The module's docstring's three steps after the align; config: pick_config's unless given. fp8: w13
     and w2 are e4m3 with these scales, and x and h are rounded to e4m3 before their products. out: where
-    the sum over the k goes ([T, H], x's dtype; a new tensor if None)."""
+    the sum over the k goes ([T, H], x's dtype; a new tensor if None). first_expert, routed_experts: w13
+    and w2 hold the experts from first_expert of routed_experts (all of them by default)."""
     _check_weights(x, w13, w2, fp8)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     assert x.shape[0] == num_tokens and topk_weights.shape == topk_ids.shape
     if num_tokens == 0:
         return torch.empty_like(x) if out is None else out
-    config = config or pick_config(num_tokens, hidden, two_inter // 2, num_experts, top_k, x.device, x.dtype,
+    routed_experts = routed_experts or num_experts
+    # (a rank's experts each get the pairs they get on one GPU: the model's shape picks the tiles)
+    config = config or pick_config(num_tokens, hidden, two_inter // 2, routed_experts, top_k, x.device, x.dtype,
                                    None if fp8 is None else fp8.form)
-    aligned = moe_align(topk_ids, num_experts, config.block_m)
+    aligned = moe_align(topk_ids, num_experts, config.block_m, first_expert)
     if fp8 is None:
         h = gate_up_silu(x, w13, top_k, aligned, config.block_m, config.gate_up)
         y = down_weighted(h, w2, topk_weights, aligned, config.block_m, config.down)
@@ -372,6 +381,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         h = gate_up_silu(xq, w13, top_k, aligned, config.block_m, config.gate_up, fp8, x_scale, x.dtype)
         hq, h_scale = quantize(h, group=fp8.group)
         y = down_weighted(hq, w2, topk_weights, aligned, config.block_m, config.down, fp8, h_scale, x.dtype)
+    if routed_experts != num_experts:  # (y's rows of other ranks' pairs are unwritten)
+        return sum_kept_pairs(y, topk_ids, first_expert, num_experts, out)
     if top_k == 1:
         return y if out is None else out.copy_(y)
     return torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)  # (fp32 sums, rounded once)
@@ -413,11 +424,12 @@ def quantize_experts(w13: torch.Tensor, w2: torch.Tensor, block: bool) -> tuple[
 
 
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, fp8: Fp8Experts | None = None) -> torch.Tensor:
+                        topk_ids: torch.Tensor, fp8: Fp8Experts | None = None, first_expert: int = 0) -> torch.Tensor:
     """The definition, in fp32 and rounded where the kernels round (gate and up, silu(gate) * up, each
     pair's weighted output to x's dtype; their sum over the k once). The CPU's path: one pass per expert
     that has pairs (its rows gathered, two products), never per token. fp8: x and h rounded to e4m3 as
-    the kernels round them, and the weights dequantized first (unless the scales are None: already)."""
+    the kernels round them, and the weights dequantized first (unless the scales are None: already).
+    first_expert: w13 and w2 hold the experts from this one on; pairs of others add nothing."""
     if fp8 is not None and fp8.w13_scale is not None:
         w13, w2 = dequantize_experts(w13, w2, fp8)
 
@@ -425,15 +437,16 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         return rows.float() if fp8 is None else round_ref(rows, group=fp8.group)
 
     num_tokens, k = topk_ids.shape
-    inter = w2.shape[2]
-    flat_ids = topk_ids.reshape(-1).long()
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    flat_ids = topk_ids.reshape(-1).long() - first_expert
+    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)  # (others' last)
     order = torch.argsort(flat_ids, stable=True)  # the (token, k) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
     tokens = order // k
     weights = topk_weights.reshape(-1)[order].float()
     # (index_copy_ into a row per pair, not index_add_ into a row per token: CPU torch's index_add_ is
     # ~1,000 times slower)
-    pairs = torch.empty(num_tokens * k, x.shape[1], dtype=torch.float32, device=x.device)
+    pairs = torch.zeros(num_tokens * k, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -448,11 +461,14 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, fp8: Fp8Experts | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, fp8: Fp8Experts | None = None, out: torch.Tensor | None = None,
+              first_expert: int = 0, routed_experts: int | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k] int32 -> [T, H]
     in x's dtype (written into out where given): the Triton path on a GPU, the reference on CPU. fp8: FP8
-    experts (Fp8Experts)."""
+    experts (Fp8Experts). first_expert, routed_experts: w13 and w2 hold the experts from first_expert of
+    routed_experts (expert parallelism), and the result sums the pairs routed to those alone."""
     if x.is_cuda:
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, fp8=fp8, out=out)
-    y = fused_moe_reference(x, w13, w2, topk_weights, topk_ids, fp8)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, fp8=fp8, out=out, first_expert=first_expert,
+                                routed_experts=routed_experts)
+    y = fused_moe_reference(x, w13, w2, topk_weights, topk_ids, fp8, first_expert)
     return y if out is None else out.copy_(y)

@@ -9,6 +9,10 @@ grouped products of kernels/fused_moe.py. Pair p = t * k + j is token t's j-th e
     block_expert   [max_blocks] int32: the expert of each BLOCK_M slots, -1 past the padded total
     num_padded     [1] int32: sum(padded), the slots in use
 
+Experts e are local: a rank that holds experts first_expert .. first_expert + E - 1 of the model's
+(expert parallelism: layers/moe.py) groups the pairs routed to those, as e = id - first_expert, and
+leaves every other pair out (no slot: another rank computes it).
+
 Every buffer has the worst case's size (max_slots: num_pairs + min(num_pairs, E) * (BLOCK_M - 1), as
 only experts with pairs are padded) and nothing is read back to the host, so a CUDA graph captures
 the step: the products' grids cover max_blocks and blocks past num_padded exit at once.
@@ -37,30 +41,35 @@ def max_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _chunk_one_hot(ids_ptr, chunk, num_pairs, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The chunk's pairs [CHUNK], whether each is one, and their experts one-hot [CHUNK, BLOCK_E]."""
+def _chunk_one_hot(ids_ptr, chunk, num_pairs, first_expert, num_experts, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The chunk's pairs [CHUNK], whether each is one of this rank's, and their local experts one-hot
+    [CHUNK, BLOCK_E] (a row of zeros for a pair of another rank's expert)."""
     pairs = chunk * CHUNK + tl.arange(0, CHUNK)
-    ok = pairs < num_pairs
-    ids = tl.load(ids_ptr + pairs, mask=ok, other=-1)
-    return pairs, ok, (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
+    experts = tl.arange(0, BLOCK_E)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) - first_expert
+    one_hot = (ids[:, None] == experts[None, :]) & (experts < num_experts)[None, :]
+    ok = (pairs < num_pairs) & (ids >= 0) & (ids < num_experts)
+    return pairs, ok, one_hot.to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "first_expert"])
 def _count_kernel(
     ids_ptr,  # [num_pairs] int32: expert of pair p (topk_ids flattened)
     counts_ptr,  # [num_chunks, BLOCK_E] int32 out: each chunk's pairs an expert
     num_pairs,
+    first_expert,  # this rank's first expert (0 unless experts are split over ranks)
+    num_experts,  # this rank's experts
     CHUNK: tl.constexpr,  # pairs a program
     BLOCK_E: tl.constexpr,  # experts rounded up to a power of two
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     chunk = tl.program_id(0)
     wait_for_prior_kernels(PDL)  # the router's top-k wrote ids
-    _, _, one_hot = _chunk_one_hot(ids_ptr, chunk, num_pairs, CHUNK, BLOCK_E)
+    _, _, one_hot = _chunk_one_hot(ids_ptr, chunk, num_pairs, first_expert, num_experts, CHUNK, BLOCK_E)
     tl.store(counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(one_hot, axis=0))
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "first_expert", "num_chunks", "max_blocks"])
 def _place_kernel(
     ids_ptr,  # [num_pairs] int32
     counts_ptr,  # [num_chunks, BLOCK_E] int32 (_count_kernel)
@@ -68,6 +77,8 @@ def _place_kernel(
     block_expert_ptr,  # [max_blocks] int32 out
     num_padded_ptr,  # [1] int32 out
     num_pairs,
+    first_expert,
+    num_experts,
     num_chunks,
     max_blocks,
     BLOCK_M: tl.constexpr,  # slots a block
@@ -92,7 +103,7 @@ def _place_kernel(
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     # a pair's slot: its expert's start + the expert's pairs before it (earlier chunks, then this one)
-    pairs, ok, one_hot = _chunk_one_hot(ids_ptr, chunk, num_pairs, CHUNK, BLOCK_E)
+    pairs, ok, one_hot = _chunk_one_hot(ids_ptr, chunk, num_pairs, first_expert, num_experts, CHUNK, BLOCK_E)
     earlier = tl.cumsum(one_hot, axis=0) - one_hot  # [CHUNK, BLOCK_E]
     slot = tl.sum(one_hot * (earlier + (starts + before)[None, :]), axis=1)
     tl.store(sorted_ids_ptr + slot, pairs, mask=ok)
@@ -112,7 +123,8 @@ def _place_kernel(
             tl.store(block_expert_ptr + blocks, tl.where(first < total, expert, -1), mask=blocks < max_blocks)
 
 
-def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                     first_expert: int = 0) -> tuple[torch.Tensor, ...]:
     """topk_ids [T, k] -> (sorted_ids, block_expert, num_padded) in two launches over chunks of pairs:
     each chunk's expert counts, then every program sums the counts (all chunks', and those before
     its own) and places its chunk's pairs; program 0 also writes the padding and the blocks' experts."""
@@ -129,24 +141,28 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     num_chunks = max(1, triton.cdiv(num_pairs, chunk))
     counts = torch.empty((num_chunks, block_e), dtype=torch.int32, device=device)
     warps = 8 if block_e >= 128 else 4
-    _count_kernel[(num_chunks,)](ids, counts, num_pairs, CHUNK=chunk, BLOCK_E=block_e, num_warps=warps,
-                                 **pdl_launch_args(device))
+    _count_kernel[(num_chunks,)](ids, counts, num_pairs, first_expert, num_experts, CHUNK=chunk, BLOCK_E=block_e,
+                                 num_warps=warps, **pdl_launch_args(device))
     _place_kernel[(num_chunks,)](
-        ids, counts, sorted_ids, block_expert, num_padded, num_pairs, num_chunks, max_blocks,
+        ids, counts, sorted_ids, block_expert, num_padded, num_pairs, first_expert, num_experts, num_chunks,
+        max_blocks,
         BLOCK_M=block_m, CHUNK=chunk, BLOCK_E=block_e, ROWS=max(1, min(32, ONE_HOT_ELEMENTS // block_e)),
         BLOCK_B=chunk, num_warps=warps, **pdl_launch_args(device),
     )
     return sorted_ids, block_expert, num_padded
 
 
-def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                    first_expert: int = 0) -> tuple[torch.Tensor, ...]:
     """The same buffers from sync-free torch ops (a scatter_add_ count: torch.bincount is not
-    graph-safe on CUDA in every version)."""
-    ids = topk_ids.reshape(-1).long()
+    graph-safe on CUDA in every version). Other ranks' pairs count as one more expert, placed after
+    this rank's, whose slots are then dropped (the one past the buffer takes their writes)."""
+    ids = topk_ids.reshape(-1).long() - first_expert
+    ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
     num_pairs = ids.numel()
     device = ids.device
     slots = max_slots(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, ids, torch.ones_like(ids))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, ids, torch.ones_like(ids))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded
@@ -154,17 +170,18 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     order = torch.sort(ids, stable=True).indices  # pairs by expert, ascending within one
     expert = ids[order]
     slot = starts[expert] + torch.arange(num_pairs, device=device) - first_pair_rank[expert]
-    sorted_ids = torch.full((slots,), num_pairs, dtype=torch.int32, device=device)
+    slot = torch.where(expert < num_experts, slot, slots)
+    sorted_ids = torch.full((slots + 1,), num_pairs, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, slot, order.to(torch.int32))
     first = torch.arange(0, slots, block_m, device=device)
-    total = ends[-1:]
-    block_expert = torch.where(first < total, torch.searchsorted(ends, first, right=True), -1)
-    return sorted_ids, block_expert.to(torch.int32), total.to(torch.int32)
+    total = ends[num_experts - 1:num_experts]
+    block_expert = torch.where(first < total, torch.searchsorted(ends[:num_experts], first, right=True), -1)
+    return sorted_ids[:slots], block_expert.to(torch.int32), total.to(torch.int32)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int = 0) -> tuple[torch.Tensor, ...]:
     """(sorted_ids, block_expert, num_padded) of the module's docstring: the Triton kernels for up to
     TRITON_MAX_PAIRS pairs on a GPU, torch ops otherwise."""
     if topk_ids.is_cuda and topk_ids.numel() <= TRITON_MAX_PAIRS:
-        return moe_align_triton(topk_ids, num_experts, block_m)
-    return moe_align_torch(topk_ids, num_experts, block_m)
+        return moe_align_triton(topk_ids, num_experts, block_m, first_expert)
+    return moe_align_torch(topk_ids, num_experts, block_m, first_expert)

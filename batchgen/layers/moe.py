@@ -9,7 +9,10 @@ Tensor parallel: the router is replicated (every rank picks the same experts); e
 intermediate dimension is split over the ranks (column slices of gate and up, row slice of down), so
 each rank computes a partial sum of every token's output, which one all-reduce sums (as
 RowParallelLinear's: where the add + RMSNorm after it sums it in its own kernel, the block hands on
-PartialSums). The shared expert is split the same way and joins that one all-reduce.
+PartialSums). The shared expert is split the same way and joins that one all-reduce. With expert
+parallelism (--expert-parallel: TensorParallel.expert_parallel) each rank holds E / tp of the experts
+whole instead, and sums only the pairs routed to them: the same all-reduce then sums the ranks' parts,
+and each expert's products keep their whole width (a shard of I narrows the tiles as tp grows).
 """
 from __future__ import annotations
 
@@ -25,19 +28,25 @@ from batchgen.parallel.tensor_parallel import SINGLE, TensorParallel
 
 class FusedExperts(nn.Module):
     """Every expert's gate/up and down as two stacked weights: w13 [E, 2 I / tp, H] (this rank's gate
-    rows, then its up rows) and w2 [E, H, I / tp]. Loads one expert's gate_proj/up_proj/down_proj
+    rows, then its up rows) and w2 [E, H, I / tp]; with expert parallelism this rank's E / tp experts
+    whole, w13 [E / tp, 2I, H] and w2 [E / tp, H, I]. Loads one expert's gate_proj/up_proj/down_proj
     (Mixtral's w1/w3/w2), or transformers 5's fused gate_up_proj [E, 2I, H] / down_proj [E, H, I].
     FP8 experts (accept_fp8) keep e4m3 weights with scales on a GPU (kernels/fused_moe.Fp8Experts)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.tp = tp
-        self.inter = tp.split(intermediate, "expert intermediate features")  # per rank
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter), requires_grad=False)
+        self.routed_experts = num_experts  # the model's
+        if tp.expert_parallel and tp.size > 1:
+            self.num_experts = tp.split(num_experts, "--expert-parallel: the number of routed experts")  # this rank's
+            self.first_expert, self.inter, self.inter_shards = tp.rank * self.num_experts, intermediate, 1
+        else:
+            self.num_experts, self.first_expert, self.inter_shards = num_experts, 0, tp.size
+            self.inter = tp.split(intermediate, "expert intermediate features")  # per rank
+        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * self.inter, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, self.inter), requires_grad=False)
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
-        self.num_experts = num_experts
         self.loaded: set[str] = set()  # the shards the loaders filled ("gate:3", and "gate:3:scale" for fp8)
         self.fp8: Fp8Experts | None = None
         self.quantize_at_load = False
@@ -60,14 +69,26 @@ class FusedExperts(nn.Module):
         self.fp8 = Fp8Experts(self.w13_scale, self.w2_scale, block)
 
     def _rank_slice(self, loaded: torch.Tensor, dim: int, size: int | None = None) -> torch.Tensor:
+        """This rank's slice of an expert's intermediate features (all of them with expert parallelism)."""
+        if self.inter_shards == 1:
+            return loaded
         size = size or self.inter
         return loaded.narrow(dim, self.tp.rank * size, size)
+
+    def _local(self, expert: str) -> int | None:
+        """The place among this rank's experts of the model's expert number `expert`; None: another rank's."""
+        e = int(expert) - self.first_expert
+        return e if 0 <= e < self.num_experts else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         """shard: "gate:E", "up:E", "down:E" (one expert's [I, H], [I, H], [H, I]), or "gate_up" / "down"
         (all experts' [E, 2I, H] / [E, H, I])."""
         self.loaded.add(shard)
         part, _, expert = shard.partition(":")
+        if not expert:  # (all experts: this rank's of them)
+            loaded = loaded.narrow(0, self.first_expert, self.num_experts)
+        elif (e := self._local(expert)) is None:
+            return  # another rank's expert
         if part == "gate_up":
             full = loaded.shape[1] // 2
             gate, up = loaded.narrow(1, 0, full), loaded.narrow(1, full, full)
@@ -76,20 +97,23 @@ class FusedExperts(nn.Module):
         elif part == "down" and not expert:
             _fill(param.data, self._rank_slice(loaded, 2))
         elif part == "down":
-            _fill(param.data[int(expert)], self._rank_slice(loaded, 1))
+            _fill(param.data[e], self._rank_slice(loaded, 1))
         else:
             offset = 0 if part == "gate" else self.inter
-            _fill(param.data[int(expert), offset:offset + self.inter], self._rank_slice(loaded, 0))
+            _fill(param.data[e, offset:offset + self.inter], self._rank_slice(loaded, 0))
 
     def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         """One expert's weight scale (shard "gate:E", "up:E" or "down:E"): per tensor (spread over the rows),
         per output channel ([N] or [N, 1]), or its 128x128 block grid; this rank's rows (or columns) of it."""
         self.loaded.add(f"{shard}:scale")
         part, _, expert = shard.partition(":")
-        e, loaded = int(expert), loaded.float()
+        e = self._local(expert)
+        if e is None:
+            return  # another rank's expert
+        loaded = loaded.float()
         rows = self.fp8.up_scale_row(self.inter)  # this rank's scale rows of gate or of up (channels, or blocks)
         if not self.fp8.block:  # ([N] or [N, 1], or one per tensor: every row's)
-            loaded = loaded.reshape(-1).expand(param.shape[1] if part == "down" else rows * self.tp.size)
+            loaded = loaded.reshape(-1).expand(param.shape[1] if part == "down" else rows * self.inter_shards)
         if part == "down":  # (its H rows whole on every rank; a block grid's columns run along I: this rank's)
             _fill(param.data[e], self._rank_slice(loaded, 1, rows) if self.fp8.block else loaded)
             return
@@ -101,7 +125,7 @@ class FusedExperts(nn.Module):
         its scale or its weight missing)."""
         scaled = self.fp8 is not None and not self.quantize_at_load
         gaps = []
-        for e in range(self.num_experts):
+        for e in range(self.routed_experts):
             for part in ("gate", "up", "down"):
                 shard = f"{part}:{e}"
                 weight = shard in self.loaded or ("down" if part == "down" else "gate_up") in self.loaded
@@ -130,7 +154,8 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """-> this rank's partial sums [T, H] (in out where given)."""
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.fp8, out)  # (the torch reference on CPU)
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.fp8, out,  # (the torch reference on CPU)
+                         self.first_expert, self.routed_experts)
 
 
 def _param(tensor: torch.Tensor, loader=None) -> nn.Parameter:

@@ -43,11 +43,11 @@ def _check_blocks(layer, name: str) -> None:
 
 def _check_expert_blocks(experts: FusedExperts, name: str) -> None:
     """128x128 blocks under TP: each rank's slice of an expert's intermediate features is whole blocks."""
-    if experts.tp.size > 1 and experts.inter % BLOCK:
+    if experts.inter_shards > 1 and experts.inter % BLOCK:
         raise UnsupportedModelError(
             f"{name}: 128x128 FP8 blocks need each tensor-parallel slice of the experts' "
-            f"{experts.inter * experts.tp.size} intermediate features to span whole blocks of 128; {experts.inter} "
-            f"do not (try another --tensor-parallel-size)"
+            f"{experts.inter * experts.inter_shards} intermediate features to span whole blocks of 128; {experts.inter} "
+            f"do not (try another --tensor-parallel-size, or --expert-parallel)"
         )
 
 

@@ -30,6 +30,7 @@ class TensorParallel:
     group: Any = None  # a torch.distributed backend (ProcessGroupNCCL / ProcessGroupGloo) when size > 1
     device: torch.device = torch.device("cpu")  # where the group's tensors live
     symmetric: Any = None  # a SymmetricAllReduce for small CUDA all-reduces, where every rank can use one
+    expert_parallel: bool = False  # MoE layers: each rank holds whole experts, not a slice of each (layers/moe.py)
     _aborting: list = field(default_factory=list, compare=False, repr=False)  # the abort thread, once started
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

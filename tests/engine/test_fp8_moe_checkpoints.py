@@ -46,15 +46,17 @@ def generate(model_dir, **options):
         return llm.generate_list([{"prompt_token_ids": p} for p in prompts()], GREEDY)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp,expert_parallel", [(1, False), (2, False), (2, True)])
 @pytest.mark.parametrize("form", MOE_FORMS)
-def test_fp8_moe_checkpoint_gives_the_reference_tokens(form, tp, moe_checkpoints):
+def test_fp8_moe_checkpoint_gives_the_reference_tokens(form, tp, expert_parallel, moe_checkpoints):
+    """At TP=2 each rank holds its slice of every expert's weights and scales, or (expert parallel) its
+    experts' whole."""
     if form == "block" and tp == 2:
         pytest.skip("the tiny model's q shard under TP=2 cuts its 128-row blocks (refused)")
     path, dequantized = moe_checkpoints(form)
     reference = moe_reference_model(dequantized, form)
     refs = [greedy_reference(reference, p, MAX_TOKENS) for p in prompts()]
-    assert_tokens_match(generate(path, tensor_parallel_size=tp), refs)
+    assert_tokens_match(generate(path, tensor_parallel_size=tp, expert_parallel=expert_parallel), refs)
 
 
 def test_quantize_at_load_gives_the_per_channel_reference_tokens(moe_checkpoints):

@@ -71,6 +71,24 @@ def test_tensor_parallel_equals_tp1(kind, tiny_model):
     assert_tp_matches(tiny_model(kind), **SQUEEZED)
 
 
+@pytest.mark.parametrize("kind", ["qwen3-moe", "mixtral", "qwen2-moe"])
+def test_expert_parallel_equals_tp1(kind, tiny_model):
+    """--expert-parallel: each rank holds half of the experts whole (the shared expert still split)."""
+    assert_tp_matches(tiny_model(kind), expert_parallel=True, **SQUEEZED)
+    with LLM(str(tiny_model(kind)), dtype="float32", device="cpu", tensor_parallel_size=2,
+             expert_parallel=True) as llm:
+        assert llm.describe()["expert_parallel"] is True
+        experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
+        routed = experts[0].routed_experts
+        assert experts and all(e.w13.shape[0] == routed // 2 and e.first_expert == 0 for e in experts)
+
+
+def test_expert_parallel_needs_experts_that_divide(tiny_model):
+    """6 experts over 4 ranks: one clear error naming the option."""
+    with pytest.raises(ValueError, match="--expert-parallel: the number of routed experts \\(6\\) is not divisible"):
+        LLM(str(tiny_model("qwen2-moe")), dtype="float32", device="cpu", tensor_parallel_size=4, expert_parallel=True)
+
+
 def test_prefix_cache_and_n_samples(tiny_model):
     """Rows sharing prefixes give the tokens they give with the cache off; n=2 of a greedy row: two rows
     of the same tokens, the prompt computed once."""
@@ -100,11 +118,14 @@ def test_fused_expert_tensors_load_like_per_expert_ones(tiny_model, hf_reference
     assert_matches_hf(run(fused, [{"prompt_token_ids": p} for p in prompts()]), hf_reference("qwen3-moe"))
 
 
-def test_experts_load_each_ranks_slice_from_either_form():
-    num_experts, hidden, inter = 3, 8, 6
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_experts_load_each_ranks_slice_from_either_form(expert_parallel):
+    """Each rank's half of every expert's features, or (expert parallel) its half of the experts whole,
+    from per-expert tensors and from fused ones alike; every expert counts as loaded on every rank."""
+    num_experts, hidden, inter = 4, 8, 6
     gate_up, down = torch.randn(num_experts, 2 * inter, hidden), torch.randn(num_experts, hidden, inter)
     for rank in (0, 1):
-        tp = TensorParallel(rank=rank, size=2)
+        tp = TensorParallel(rank=rank, size=2, expert_parallel=expert_parallel)
         per_expert, whole = FusedExperts(num_experts, hidden, inter, tp), FusedExperts(num_experts, hidden, inter, tp)
         for e in range(num_experts):
             per_expert.weight_loader(per_expert.w13, gate_up[e, :inter], f"gate:{e}")
@@ -112,11 +133,17 @@ def test_experts_load_each_ranks_slice_from_either_form():
             per_expert.weight_loader(per_expert.w2, down[e], f"down:{e}")
         whole.weight_loader(whole.w13, gate_up, "gate_up")
         whole.weight_loader(whole.w2, down, "down")
-        half = slice(rank * inter // 2, (rank + 1) * inter // 2)
-        want_w13 = torch.cat([gate_up[:, :inter][:, half], gate_up[:, inter:][:, half]], dim=1)
+        if expert_parallel:
+            own = slice(rank * num_experts // 2, (rank + 1) * num_experts // 2)
+            want_w13, want_w2 = gate_up[own], down[own]
+        else:
+            half = slice(rank * inter // 2, (rank + 1) * inter // 2)
+            want_w13 = torch.cat([gate_up[:, :inter][:, half], gate_up[:, inter:][:, half]], dim=1)
+            want_w2 = down[:, :, half]
         for experts in (per_expert, whole):
             torch.testing.assert_close(experts.w13.data, want_w13, rtol=0, atol=0)
-            torch.testing.assert_close(experts.w2.data, down[:, :, half], rtol=0, atol=0)
+            torch.testing.assert_close(experts.w2.data, want_w2, rtol=0, atol=0)
+            assert experts.missing_weights() == []
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

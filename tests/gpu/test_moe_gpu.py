@@ -80,10 +80,11 @@ def test_dummy_weights_at_a_real_moe_shape(tp, tmp_path):
 
 
 
-def _tp_run(model_dir, tp, sequences=None):
+def _tp_run(model_dir, tp, sequences=None, **options):
     """(greedy tokens after each prompt, prompt log-probabilities of each of sequences: by default, the prompts
     followed by those tokens) at tensor-parallel tp."""
-    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp, max_num_seqs=8, gpu_memory_utilization=0.3)
+    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=tp, max_num_seqs=8, gpu_memory_utilization=0.3,
+              **options)
     greedy = llm.generate_list([{"prompt_token_ids": p} for p in prompts()],
                                SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     tokens = [r["output_token_ids"] for r in greedy]
@@ -97,17 +98,19 @@ def _tp_run(model_dir, tp, sequences=None):
     return tokens, sequences, [torch.tensor(r["prompt_logprobs"]) for r in scored]
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True])
 @pytest.mark.parametrize("kind", ["qwen3-moe", "qwen2-moe"])
-def test_tp2_matches_tp1(kind, tiny_model):
+def test_tp2_matches_tp1(kind, expert_parallel, tiny_model):
     """TP=2 (two GPUs: symmetric memory, each layer's sums fused with the norm after them) gives TP=1's greedy
     tokens until a near-tie, and prompt log-probabilities of TP=1's sequences as close to an fp32 reference as
     TP=1's, on every row (the fused norm leaves the residual right on each rank's own rows: a layer that
-    summed its MoE output any other way would read the other rows stale)."""
+    summed its MoE output any other way would read the other rows stale). expert_parallel: each rank holds
+    half of the experts whole."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     model_dir = tiny_model(kind)
     tokens1, sequences, lp1 = _tp_run(model_dir, 1)
-    tokens2, _, lp2 = _tp_run(model_dir, 2, sequences)
+    tokens2, _, lp2 = _tp_run(model_dir, 2, sequences, expert_parallel=expert_parallel)
     hf = load_hf(model_dir).to("cuda")
     with torch.no_grad():
         logits = [hf(torch.tensor([s], device="cuda")).logits[0].float() for s in sequences]

@@ -1,5 +1,6 @@
-"""The fused MoE (kernels/fused_moe.py, kernels/moe_align.py) against its torch reference, on tiny
-shapes whose K and N are not whole blocks; the reference against the formula; the router's top-k."""
+"""The fused MoE (kernels/fused_moe.py, kernels/moe_align.py, kernels/moe_sum.py) against its torch
+reference, on tiny shapes whose K and N are not whole blocks, whole and with the experts split over ranks;
+the reference against the formula; the router's top-k."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from batchgen.kernels.fused_moe import (
 from batchgen.kernels.moe_align import max_slots, moe_align_torch, moe_align_triton
 from batchgen.kernels.moe_config import GemmTile, MoeConfig, default_config, pick_config, warmup_token_counts
 from batchgen.kernels.moe_router import select_experts, select_experts_reference, select_experts_triton
+from batchgen.kernels.moe_sum import BLOCK_H, sum_kept_pairs, sum_kept_pairs_reference
 from tests.kernels.conftest import HAS_CUDA, INTERPRET
 
 # Interpreter-sized tiles: 16-slot blocks, 16 columns, 32-wide K steps (K and N of the cases below are
@@ -82,6 +84,64 @@ def test_fused_moe_writes_into_out(device, top_k):
     assert fused_moe_module.fused_moe(x.cpu(), w13.cpu(), w2.cpu(), topk_weights.cpu(), topk_ids.cpu(), out=out) is out
     assert torch.equal(out, ref)
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,ranks", [(17, 8, 2, 2), (5, 6, 1, 2), (17, 8, 2, 4)])
+def test_fused_moe_over_expert_shards(device, assert_close, dtype, num_tokens, num_experts, top_k, ranks):
+    """Experts split whole over ranks: each rank's kernels on its experts give its pairs' sums (zero for a
+    token with none there), which sum over the ranks to the whole layer; the reference's shards likewise."""
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(num_tokens, num_experts, top_k, 48, 40, dtype, device)
+    local = num_experts // ranks
+    shards = [(rank * local, slice(rank * local, (rank + 1) * local)) for rank in range(ranks)]
+    parts = [fused_moe_triton(x, w13[own], w2[own], topk_weights, topk_ids, SMALL, first_expert=first,
+                              routed_experts=num_experts) for first, own in shards]
+    refs = [fused_moe_reference(x, w13[own], w2[own], topk_weights, topk_ids, first_expert=first)
+            for first, own in shards]
+    for part, ref in zip(parts, refs):
+        assert_close(part, ref, scale=2)
+    whole = fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+    assert_close(torch.stack(refs).float().sum(0).to(dtype), whole, scale=2)
+    untouched = [t for t in range(num_tokens) if all(int(e) >= local for e in topk_ids[t])]
+    assert untouched and not parts[0][untouched].any()  # (rank 0 has none of these tokens' experts)
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
+def test_fp8_experts_over_expert_shards(device, monkeypatch, block):
+    """FP8 experts split whole over two ranks: each rank's weights and scales (its experts' rows of both)
+    give the reference's sums of its pairs."""
+    if INTERPRET and not HAS_CUDA:  # (as test_fused_moe_fp8)
+        monkeypatch.setattr(fused_moe_module, "quantize", lambda rows, group: quantize_ref(rows, group=group))
+    x, w13, w2, topk_weights, topk_ids = moe_inputs(17, 8, 2, 160, 136, torch.float32, device)
+    q13, q2, fp8 = quantize_experts(w13, w2, block)
+    for first in (0, 4):
+        own = slice(first, first + 4)
+        shard = type(fp8)(fp8.w13_scale[own], fp8.w2_scale[own], block)
+        got = fused_moe_triton(x, q13[own], q2[own], topk_weights, topk_ids, SMALL, fp8=shard, first_expert=first,
+                               routed_experts=8)
+        want = fused_moe_reference(x, q13[own], q2[own], topk_weights, topk_ids, shard, first_expert=first)
+        err = (got - want).abs()  # (as test_fused_moe_fp8: a value of h on a rounding boundary may move)
+        assert err.mean() < 1e-3 * want.abs().mean() and (err > 1e-4 * want.abs().max()).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_sum_kept_pairs(device, top_k):
+    """The sum over a token's pairs of one rank's experts: rows of other experts never count, even unwritten
+    (NaN here); columns past the last whole block; into out."""
+    gen = torch.Generator().manual_seed(top_k)
+    num_tokens, hidden = 9, BLOCK_H + 40
+    topk_ids = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(num_tokens)]).to(torch.int32)
+    y = torch.randn(num_tokens * top_k, hidden, generator=gen)
+    kept = ((topk_ids >= 2) & (topk_ids < 5)).reshape(-1)
+    y[~kept] = float("nan")
+    want = sum_kept_pairs_reference(y, topk_ids, 2, 3)
+    assert not want.isnan().any()
+    torch.testing.assert_close(want, torch.where(kept.view(num_tokens, top_k, 1), y.view(num_tokens, top_k, -1),
+                                                 0.0).sum(1))
+    out = torch.full((num_tokens, hidden), float("nan"), device=device)
+    got = sum_kept_pairs(y.to(device), topk_ids.to(device), 2, 3, out)
+    assert got is out
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_default_config(device, assert_close, dtype):
     """pick_config's tiles (16-slot blocks, K steps of 128 past H) at an H and I of a few steps."""
@@ -125,28 +185,52 @@ ALIGN_CASES = [(1, 4, 1, "random", 16), (17, 6, 2, "random", 16), (17, 8, 2, "sk
                (3, 8, 2, "random", 32)]
 
 
+# (experts of the model, a rank's): halves of 8; quarters of 128 (pairs in several chunks); halves of 6 (3: not
+# a power of two)
+SHARDS = [(8, 4), (128, 32), (6, 3)]
+
+
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,kind,block_m", ALIGN_CASES)
 def test_moe_align(device, num_tokens, num_experts, top_k, kind, block_m):
     """Each expert's pairs, ascending, at slots from the padded counts' prefix sums, the sentinel
     T*k in the padding, each block's expert; the Triton kernels and the torch ops agree."""
     topk_ids = routing(num_tokens, num_experts, top_k, kind).to(device)
-    sorted_ids, block_expert, num_padded = moe_align_torch(topk_ids, num_experts, block_m)
-    num_pairs = num_tokens * top_k
+    check_align(topk_ids, num_experts, block_m, 0)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,block_m", [(1, 1, 16), (17, 2, 16), (300, 8, 16), (3, 2, 32)])
+@pytest.mark.parametrize("shard", SHARDS)
+def test_moe_align_keeps_this_ranks_experts(device, num_tokens, top_k, block_m, shard):
+    """Experts split over ranks: a rank groups only the pairs routed to its experts (local ids from 0) and
+    gives the others no slot; so the sum of its blocks' pairs over all ranks is every pair once."""
+    routed, local = shard
+    top_k = min(top_k, routed)
+    topk_ids = routing(num_tokens, routed, top_k, "random", seed=num_tokens).to(device)
+    kept = [check_align(topk_ids, local, block_m, rank * local) for rank in range(routed // local)]
+    assert sorted(p for pairs in kept for p in pairs) == list(range(num_tokens * top_k))
+
+
+def check_align(topk_ids, num_experts, block_m, first_expert):
+    """Both aligns of topk_ids against the docstring's definition for experts first_expert ..
+    first_expert + num_experts - 1 (local ids from 0); -> the pairs given slots."""
+    sorted_ids, block_expert, num_padded = moe_align_torch(topk_ids, num_experts, block_m, first_expert)
+    num_pairs = topk_ids.numel()
     slots = max_slots(num_pairs, num_experts, block_m)
     assert sorted_ids.shape == (slots,) and block_expert.shape == (slots // block_m,)
-    flat = topk_ids.reshape(-1).cpu()
-    counts = torch.bincount(flat.long(), minlength=num_experts).tolist()
+    flat = topk_ids.reshape(-1).cpu().long() - first_expert
     want_ids, want_blocks = [], []
-    for expert, count in enumerate(counts):
-        padded = -(-count // block_m) * block_m
-        want_ids += (flat == expert).nonzero().flatten().tolist() + [num_pairs] * (padded - count)
+    for expert in range(num_experts):
+        pairs = (flat == expert).nonzero().flatten().tolist()
+        padded = -(-len(pairs) // block_m) * block_m
+        want_ids += pairs + [num_pairs] * (padded - len(pairs))
         want_blocks += [expert] * (padded // block_m)
     assert num_padded.tolist() == [len(want_ids)]
     assert sorted_ids[:len(want_ids)].tolist() == want_ids
     assert block_expert.tolist() == want_blocks + [-1] * (len(block_expert) - len(want_blocks))
-    got = moe_align_triton(topk_ids, num_experts, block_m)
+    got = moe_align_triton(topk_ids, num_experts, block_m, first_expert)
     assert torch.equal(got[2], num_padded) and torch.equal(got[1], block_expert)
     assert torch.equal(got[0][:len(want_ids)], sorted_ids[:len(want_ids)])  # (slots past those: unread)
+    return [p for p in want_ids if p < num_pairs]
 
 
 @pytest.mark.parametrize("renormalize", [False, True])
