@@ -616,7 +616,8 @@ def main(argv=None):
     ap.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                     help="dummy: write only each model's config.json and tokenizer; batchgen makes random weights")
     ap.add_argument("--expert-parallel", action="store_true",
-                    help="MoE models under -tp N: each GPU holds 1/N of the experts whole (EngineConfig.expert_parallel)")
+                    help="MoE models under -tp N: each GPU holds 1/N of the experts whole "
+                         "(EngineConfig.expert_parallel)")
     args = ap.parse_args(argv)
     ENGINE_OPTIONS["load_format"] = args.load_format
     if args.expert_parallel:

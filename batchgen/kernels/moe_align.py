@@ -179,7 +179,8 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     return sorted_ids[:slots], block_expert.to(torch.int32), total.to(torch.int32)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int = 0) -> tuple[torch.Tensor, ...]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              first_expert: int = 0) -> tuple[torch.Tensor, ...]:
     """(sorted_ids, block_expert, num_padded) of the module's docstring: the Triton kernels for up to
     TRITON_MAX_PAIRS pairs on a GPU, torch ops otherwise."""
     if topk_ids.is_cuda and topk_ids.numel() <= TRITON_MAX_PAIRS:

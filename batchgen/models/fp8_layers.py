@@ -46,8 +46,8 @@ def _check_expert_blocks(experts: FusedExperts, name: str) -> None:
     if experts.inter_shards > 1 and experts.inter % BLOCK:
         raise UnsupportedModelError(
             f"{name}: 128x128 FP8 blocks need each tensor-parallel slice of the experts' "
-            f"{experts.inter * experts.inter_shards} intermediate features to span whole blocks of 128; {experts.inter} "
-            f"do not (try another --tensor-parallel-size, or --expert-parallel)"
+            f"{experts.inter * experts.inter_shards} intermediate features to span whole blocks of 128; "
+            f"{experts.inter} do not (try another --tensor-parallel-size, or --expert-parallel)"
         )
 
 
