@@ -6,7 +6,8 @@ kernel starts before the one it follows ends and waits for it, so the table woul
 to the later kernel.
 
     python benchmarks/profile_step.py --model llama-3.2-1b --workload W-short [--kernels [--steps all]] [-tp N]
-        [--batch-invariant] [--kv-cache-dtype fp8] [--quantization fp8] [--load-format dummy] [--pdl on|off]
+        [--expert-parallel] [--batch-invariant] [--kv-cache-dtype fp8] [--quantization fp8] [--load-format dummy]
+        [--pdl on|off]
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def main(argv=None):
     ap.add_argument("--quantization", choices=["fp8"], default=None, help="quantize the weights at load")
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                     help="dummy: random weights from the shape alone (no checkpoint written)")
+    ap.add_argument("--expert-parallel", action="store_true", help="MoE models under -tp N: whole experts a GPU")
     ap.add_argument("--pdl", choices=["on", "off"], default=None,
                     help="programmatic dependent launch (default: on, off with --kernels; the module's docstring)")
     args = ap.parse_args(argv)
@@ -49,7 +51,7 @@ def main(argv=None):
     requests = make_requests(args.workload, MODELS[args.model][1]["vocab_size"])
     llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=args.tensor_parallel_size,
               batch_invariant=args.batch_invariant, pdl=pdl, kv_cache_dtype=args.kv_cache_dtype,
-              quantization=args.quantization, load_format=args.load_format)
+              quantization=args.quantization, load_format=args.load_format, expert_parallel=args.expert_parallel)
     try:
         profile(llm, requests, args)
     finally:
