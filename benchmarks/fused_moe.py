@@ -133,9 +133,8 @@ def eager_us(call, reps=REPS) -> float:
     return statistics.median(times)
 
 
-def touched_bytes(ids, num_tokens, hidden, inter, weight_bytes=2, local_experts=None) -> int:
-    distinct = ids.unique().numel() if local_experts is None else (ids.unique() < local_experts).sum().item()
-    return distinct * 3 * hidden * inter * weight_bytes + 2 * num_tokens * hidden * 2
+def touched_bytes(experts_hit, num_tokens, hidden, inter, weight_bytes=2) -> int:
+    return experts_hit * 3 * hidden * inter * weight_bytes + 2 * num_tokens * hidden * 2
 
 
 def bench(model, shape, layers, num_tokens, peak, form="bf16"):
@@ -152,14 +151,15 @@ def bench(model, shape, layers, num_tokens, peak, form="bf16"):
     ref_us = eager_us(lambda: fused_moe_reference(x, w13, w2, weights, ids, fp8), reps=3)
     config = pick_config(num_tokens, shape["hidden"], shape["inter"], shape["num_experts"], shape["top_k"],
                             x.device, fp8=None if form == "bf16" else form)
-    align_triton = graph_us([lambda: moe_align_triton(ids, shape["num_experts"], config.block_m)] * 8)
-    align_torch = graph_us([lambda: moe_align_torch(ids, shape["num_experts"], config.block_m)] * 8)
+    local = w13.shape[0]  # (rank 0's experts under --expert-parallel, else all)
+    align_triton = graph_us([lambda: moe_align_triton(ids, local, config.block_m)] * 8)
+    align_torch = graph_us([lambda: moe_align_torch(ids, local, config.block_m)] * 8)
     logits = torch.randn(num_tokens, shape["num_experts"], device=DEVICE)
     router = graph_us([lambda: select_experts(logits, shape["top_k"], True)] * 8)
     router_torch = graph_us([lambda: select_experts_torch(logits, shape["top_k"], True)] * 8)
-    nbytes = touched_bytes(ids, num_tokens, shape["hidden"], shape["inter"], 2 if fp8 is None else 1, w13.shape[0])
-    record = dict(model=model, form=form, inter=shape["inter"], experts=w13.shape[0], T=num_tokens,
-                  experts_hit=(ids.unique() < w13.shape[0]).sum().item(),
+    hit = (ids.unique() < local).sum().item()
+    nbytes = touched_bytes(hit, num_tokens, shape["hidden"], shape["inter"], 2 if fp8 is None else 1)
+    record = dict(model=model, form=form, inter=shape["inter"], experts=local, T=num_tokens, experts_hit=hit,
                   mbytes=round(nbytes / 1e6, 1), us=round(us, 1), us_eager=round(us_eager, 1),
                   ref_us=round(ref_us, 1), align_triton_us=round(align_triton, 1),
                   align_torch_us=round(align_torch, 1), router_us=round(router, 1),
@@ -265,10 +265,12 @@ def main():
     tuned = {}
     for model, tp, form in itertools.product(args.models.split(","), [int(t) for t in args.tp.split(",")], forms):
         shape = dict(MODELS[model])
-        if not args.expert_parallel:
+        experts = shape["num_experts"]  # a GPU's
+        if args.expert_parallel:
+            experts //= tp
+        else:
             shape["inter"] //= tp
-        layers = make_layer(**{**shape, "num_experts": shape["num_experts"] // (tp if args.expert_parallel else 1)},
-                            form=form)
+        layers = make_layer(**{**shape, "num_experts": experts}, form=form)
         for num_tokens in tokens:
             bench(model, shape, layers, num_tokens, peak, form)
             if args.tune:

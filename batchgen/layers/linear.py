@@ -112,7 +112,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(PackableWeight, nn.Module):
-    defer_sum = True  # False where another sum before a norm in the model cannot defer (agree_on_deferred_sums)
+    defer_sum = False  # set by agree_on_deferred_sums once the model is built: can_defer_sum() of all its sums
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -161,7 +161,7 @@ class RowParallelLinear(PackableWeight, nn.Module):
         y = self.matmul(x, silu_mul=silu_mul and x.shape[-1] == 2 * self.in_per_rank, out=out, parts_ok=parts_ok)
         if y.dim() == x.dim() + 1:  # split-K parts [S, T, out] (parts_ok): the norm after the product sums them
             return SplitParts(y)
-        if norm_follows and self.defer_sum and self.can_defer_sum() and self.tp.defers_sum(y):
+        if norm_follows and self.defer_sum and self.tp.defers_sum(y):
             return PartialSums(y, self.tp)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

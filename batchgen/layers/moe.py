@@ -187,7 +187,7 @@ class SharedExpert(nn.Module):
 class SparseMoeBlock(nn.Module):
     """The MoE MLP of one layer; forward takes the normed hidden states and returns the summed output."""
 
-    defer_sum = True  # False where another sum before a norm in the model cannot defer (agree_on_deferred_sums)
+    defer_sum = False  # set by agree_on_deferred_sums once the model is built (as RowParallelLinear's)
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, renormalize: bool,
                  shared_intermediate: int = 0, tp: TensorParallel = SINGLE):
