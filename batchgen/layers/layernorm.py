@@ -1,6 +1,7 @@
 import torch
 from torch import nn
 
+from batchgen.kernels.head_rmsnorm import head_rmsnorm_
 from batchgen.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_fp8, rmsnorm
 from batchgen.kernels.skinny_gemm import normed_skinny_gemm, uses_tma
 from batchgen.layers.linear import DeferredSum
@@ -24,6 +25,13 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rmsnorm(x, self.weight, self.eps)
         return add_rmsnorm(x, residual, self.weight, self.eps)
+
+
+def qk_rmsnorm_(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_norm: RMSNorm, k_norm: RMSNorm) -> None:
+    """Qwen3's q and k norms over each head of the qkv product's output [T, (Hq + 2 Hk) D], in place and in
+    one launch on a GPU (kernels/head_rmsnorm.py)."""
+    assert q_norm.eps == k_norm.eps
+    head_rmsnorm_(qkv, num_q_heads, num_kv_heads, q_norm.weight, k_norm.weight, q_norm.eps)
 
 
 def normed_product(

@@ -19,7 +19,7 @@ from torch import nn
 from batchgen.layers.attention import Attention
 from batchgen.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from batchgen.layers.forward_batch import ForwardBatch
-from batchgen.layers.layernorm import RMSNorm, normed_product
+from batchgen.layers.layernorm import RMSNorm, normed_product, qk_rmsnorm_
 from batchgen.layers.linear import (
     DeferredSum,
     MergedColumnParallelLinear,
@@ -55,9 +55,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # strided views into qkv: no copies
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before rope
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before rope, in place (q, k stay views)
+            qk_rmsnorm_(qkv, self.num_heads, self.num_kv_heads, self.q_norm, self.k_norm)
         o = self.attn(q, k, v, positions, self.rotary.cos_sin_cache, batch)  # rope, store kv, attention
         return self.o_proj(o.view(-1, self.num_heads * self.head_dim), norm_follows=True)
 
