@@ -128,7 +128,7 @@ def warm_up(runner) -> None:
     steps = [([5], []), ([long], []), ([5, 9], []), ([long, 9], []), ([], [(17, 17)]), ([7, 3], [(15, 40)]),
              ([8] * 16, [(48, 48)])]
     # decode attention's tiles for many programs (kernels/decode_attention.pick_tile), where a job can have them
-    for dense in dense_tile_batch_sizes(kv.k.shape[2], num_sms(dev), kv.k.dtype):
+    for dense in dense_tile_batch_sizes(kv.k.shape[2], num_sms(dev), kv.k.dtype, kv.k.shape[3]):
         if dense <= runner.config.max_num_seqs:
             steps.append(([5] * dense, []))
     # a step that only samples its logits has them in the model's dtype (model_runner.ModelRunner.logits_dtype)

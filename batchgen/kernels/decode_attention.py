@@ -180,6 +180,10 @@ TILE_HEAD_DIM_64_DENSEST = (64, 1, 3)
 DENSE_PROGRAMS_PER_SM = 8
 DENSEST_PROGRAMS_PER_SM = 12
 TILE_HEAD_DIM_128 = (64, 4, 3)
+# Head_dim 128 with few programs an SM (a GPU's share of a few KV heads under TP, a batch's tail): longer steps
+# of keys in fewer stages keep more of each program's loads in flight (benchmarks/KERNELS.md).
+TILE_HEAD_DIM_128_SPARSE = (128, 4, 2)
+SPARSE_PROGRAMS_PER_SM = 6
 TILE_SMALL = (32, 4, 1)
 # An fp8 pool halves the bytes a key but not the math, which a 4-warp program no longer hides under the loads
 # (its softmax reduces across warps): with many programs (one split each), one warp a program; with few, the
@@ -197,16 +201,19 @@ def pick_tile(dtype: torch.dtype, head_dim: int, programs: int, sms: int,
     if pool_dtype == torch.float8_e4m3fn and programs >= FP8_POOL_DENSE_PROGRAMS_PER_SM * sms:
         return TILE_FP8_POOL_DENSE
     if head_dim > 64:
-        return TILE_HEAD_DIM_128
+        sparse = programs < SPARSE_PROGRAMS_PER_SM * sms and pool_dtype != torch.float8_e4m3fn
+        return TILE_HEAD_DIM_128_SPARSE if sparse else TILE_HEAD_DIM_128
     if programs >= DENSEST_PROGRAMS_PER_SM * sms:
         return TILE_HEAD_DIM_64_DENSEST
     return TILE_HEAD_DIM_64_DENSE if programs >= DENSE_PROGRAMS_PER_SM * sms else TILE_HEAD_DIM_64
 
 
-def dense_tile_batch_sizes(num_kv_heads: int, sms: int, pool_dtype: torch.dtype | None = None) -> list[int]:
-    """The fewest sequences at which pick_tile takes each of its tiles for many programs (16-bit queries,
-    head_dim 64, or any head_dim over an fp8 pool): warm-up runs a decode step of each size a job can reach."""
-    per_sms = [DENSE_PROGRAMS_PER_SM, DENSEST_PROGRAMS_PER_SM]
+def dense_tile_batch_sizes(num_kv_heads: int, sms: int, pool_dtype: torch.dtype | None = None,
+                           head_dim: int = 64) -> list[int]:
+    """The fewest sequences at which pick_tile takes each of its tiles for many programs (16-bit queries:
+    head_dim 64's two, head_dim 128's one; any head_dim over an fp8 pool): warm-up runs a decode step of
+    each size a job can reach."""
+    per_sms = [DENSE_PROGRAMS_PER_SM, DENSEST_PROGRAMS_PER_SM] if head_dim <= 64 else [SPARSE_PROGRAMS_PER_SM]
     if pool_dtype == torch.float8_e4m3fn:  # (the fp8 dense tile comes first and takes over the others)
         per_sms = [FP8_POOL_DENSE_PROGRAMS_PER_SM]
     return [triton.cdiv(per_sm * sms, num_kv_heads) for per_sm in per_sms]

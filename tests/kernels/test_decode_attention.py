@@ -6,6 +6,7 @@ from batchgen.kernels.decode_attention import (
     TILE_HEAD_DIM_64_DENSE,
     TILE_HEAD_DIM_64_DENSEST,
     TILE_HEAD_DIM_128,
+    TILE_HEAD_DIM_128_SPARSE,
     TILE_SMALL,
     _decode_attention_launch,
     decode_attention_cpu,
@@ -62,7 +63,7 @@ def test_decode_attention_cpu_path(assert_close, dtype, q_heads, kv_heads, head_
 
 
 @pytest.mark.parametrize(
-    "num_splits,block_n,num_warps", [(1, 16, 1), (3, 16, 2), (2, 64, 4), (7, 32, 4), (40, 16, 1)]
+    "num_splits,block_n,num_warps", [(1, 16, 1), (3, 16, 2), (2, 64, 4), (7, 32, 4), (40, 16, 1), (2, 128, 4)]
 )
 def test_decode_attention_splits(device, assert_close, num_splits, block_n, num_warps):
     batch = make_batch([(1, n) for n in CPU_KV_LENS], 8, 2, 32, torch.float32, device, seed=5)
@@ -111,6 +112,20 @@ def test_the_dense_tiles_from_eight_and_twelve_programs_an_sm():
     assert pick_tile(bf16, 64, 198 * 8, 132) == TILE_HEAD_DIM_64_DENSEST == (64, 1, 3)
     assert pick_tile(bf16, 128, 256 * 8, 132) == TILE_HEAD_DIM_128
     assert pick_tile(torch.float32, 64, 256 * 8, 132) == TILE_SMALL
+
+
+def test_head_dim_128_takes_the_128_key_tile_below_six_programs_an_sm():
+    """Head_dim 128, 16-bit pool: the 128-key, 2-stage tile below 6 programs an SM (qwen3-30b-a3b's 2 KV heads
+    a GPU at TP=2: up to 395 sequences on 132 SMs), the 64-key tile from there; an fp8 pool keeps the 64-key tile
+    below its own dense tile."""
+    bf16 = torch.bfloat16
+    assert pick_tile(bf16, 128, 256 * 2, 132) == TILE_HEAD_DIM_128_SPARSE == (128, 4, 2)
+    assert pick_tile(bf16, 128, 395 * 2, 132) == TILE_HEAD_DIM_128_SPARSE
+    assert pick_tile(bf16, 128, 396 * 2, 132) == TILE_HEAD_DIM_128
+    assert pick_tile(bf16, 96, 1, 132) == TILE_HEAD_DIM_128_SPARSE
+    assert pick_tile(bf16, 128, 1, 132, torch.float8_e4m3fn) == TILE_HEAD_DIM_128
+    assert dense_tile_batch_sizes(2, 132, head_dim=128) == [396]
+    assert dense_tile_batch_sizes(8, 132, head_dim=128) == [99]
 
 
 @pytest.mark.parametrize("kv_heads,sms", [(8, 132), (2, 132), (8, 78), (3, 114)])

@@ -10,6 +10,7 @@ import torch
 
 from batchgen.kernels.decode_attention import (
     TILE_FP8_POOL_DENSE,
+    TILE_HEAD_DIM_128,
     _decode_attention_launch,
     decode_attention_cpu,
     decode_attention_ref,
@@ -111,13 +112,15 @@ def test_decode_attention_reads_fp8_pool(device, assert_close, dtype):
 @pytest.mark.parametrize("head_dim,kv_heads,sms", [(64, 8, 132), (128, 8, 132), (64, 2, 78), (80, 3, 114)])
 def test_fp8_pool_takes_one_warp_a_program_once_programs_are_many(head_dim, kv_heads, sms):
     """From 6 programs an SM (llama shapes on 132 SMs: 99 sequences) the fp8 pool's tile; below it, and for
-    fp32 queries, the 16-bit pool's; warm-up's decode step (executor/warmup.py) is the first size that takes it."""
+    fp32 queries, the 16-bit pool's (head_dim 128: its tile for many programs); warm-up's decode step
+    (executor/warmup.py) is the first size that takes it."""
     bf16 = torch.bfloat16
     (dense,) = dense_tile_batch_sizes(kv_heads, sms, FP8)
     assert pick_tile(bf16, head_dim, dense * kv_heads, sms, FP8) == TILE_FP8_POOL_DENSE
     assert pick_tile(bf16, head_dim, 256 * kv_heads, sms, FP8) == TILE_FP8_POOL_DENSE
-    for programs in (1, (dense - 1) * kv_heads):
-        assert pick_tile(bf16, head_dim, programs, sms, FP8) == pick_tile(bf16, head_dim, programs, sms)
+    for programs in (1, (dense - 1) * kv_heads):  # (head_dim 128's tile for few programs is the 16-bit pool's)
+        expected = TILE_HEAD_DIM_128 if head_dim > 64 else pick_tile(bf16, head_dim, programs, sms)
+        assert pick_tile(bf16, head_dim, programs, sms, FP8) == expected
     assert pick_tile(torch.float32, head_dim, 256 * 8, 132, FP8) == pick_tile(torch.float32, head_dim, 256 * 8, 132)
     assert dense_tile_batch_sizes(8, 132, FP8) == [99]
 
