@@ -41,7 +41,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # per-step token budget; None: 8192 on CUDA, 2048 on CPU
     gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the model's max_position_embeddings; at most its context length
     kv_cache_tokens: int | None = None  # KV pool size in tokens; None: from the memory budget
     kv_cache_dtype: str = "auto"  # fp8: half the KV bytes of bf16 (twice the tokens in the pool), lossy
     # fp8: weights per output channel, activations per token (models/quantization.py); FP8 checkpoints need none

@@ -37,6 +37,7 @@ def test_help_lists_the_options_and_their_environment_variables(batchgen):
         (["--max-tokens", "0"], {}, "max_tokens must be >= 1"),
         (["--n", "0"], {}, "n must be in [1, 1024]"),
         (["--max-num-seqs", "0"], {}, "--max-num-seqs"),
+        (["--max-model-len", "100000"], {}, "100000 is past the model's context length (8192"),
         (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization"),
         ([], {"BATCHGEN_MAX_TOKENS": "lots"}, "BATCHGEN_MAX_TOKENS"),
         (["-tp", "2"], {}, "--tensor-parallel-size"),

@@ -63,6 +63,12 @@ class ModelConfig:
 
     quantization: Fp8Scheme | None = None  # the checkpoint's FP8 form (models/quantization.py)
 
+    def context_length(self) -> int:
+        """The longest sequence the model's positions cover: max_position_embeddings, stretched by linear rope
+        scaling's factor (as vLLM derives it)."""
+        factor = self.rope_scaling.get("factor", 1) if self.rope_scaling.get("rope_type") == "linear" else 1
+        return int(self.max_position_embeddings * factor)
+
     def is_moe_layer(self, index: int) -> bool:
         return (self.num_experts > 0 and index not in self.mlp_only_layers
                 and (index + 1) % self.decoder_sparse_step == 0)

@@ -1,4 +1,6 @@
 """A bad request fails alone with a one-line reason; the others are unaffected."""
+import json
+
 import pytest
 
 from batchgen import LLM, SamplingParams
@@ -72,6 +74,20 @@ def test_unsupported_architecture_and_rope_are_one_line_errors(tmp_path):
     )
     with pytest.raises(UnsupportedModelError, match="rope type 'yarn' is not supported; supported: default"):
         load_model_config(tmp_path)
+
+
+def test_context_length_is_the_positions_stretched_by_linear_rope_scaling(tmp_path):
+    shape = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    assert load_model_config(tmp_path).context_length() == 4096
+    (tmp_path / "config.json").write_text(json.dumps({**shape, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}))
+    assert load_model_config(tmp_path).context_length() == 16384
+
+
+def test_max_model_len_past_the_models_context_is_refused(tiny_model):
+    with pytest.raises(ValueError, match=r"invalid --max-model-len: 513 is past the model's context length \(512"):
+        LLM(str(tiny_model("llama")), max_model_len=513, device="cpu")
 
 
 def test_bad_engine_option_is_a_clear_error():
