@@ -72,14 +72,15 @@ class LLM:
 
     def generate(
         self,
-        requests: Iterable[dict],
+        requests: Iterable[dict | str],
         sampling: SamplingParams | None = None,
         stop_event: threading.Event | None = None,
     ) -> Iterator[dict]:
         """Yield one result row per request, as each finishes. Requests (README's input rows) are
         pulled lazily, only while the engine has room, so any number of them streams through in
         bounded memory. A live source (a queue) may yield None for "nothing right now": the engine
-        keeps running what it has and asks again after the next step. A bad request yields an error
+        keeps running what it has and asks again after the next step. A string is a request of that
+        prompt alone (vLLM's `generate(["..."])`). A bad request yields an error
         row at once and affects no other. `sampling` holds the defaults a request's own fields
         override; None: get_default_sampling_params(). EngineClosedError (a RuntimeError) once the LLM
         is closed, here rather than at the first next()."""
@@ -89,9 +90,10 @@ class LLM:
 
     def _generate(self, requests, sampling, stop_event) -> Iterator[dict]:
         defaults = sampling or self.get_default_sampling_params()
-        yield from self.engine.generate(requests, defaults, stop_event, threaded=self.tokenizer_pool)
+        rows = ({"prompt": r} if isinstance(r, str) else r for r in requests)  # (a plain prompt, as vLLM takes)
+        yield from self.engine.generate(rows, defaults, stop_event, threaded=self.tokenizer_pool)
 
-    def generate_list(self, requests: Iterable[dict], sampling: SamplingParams | None = None) -> list[dict]:
+    def generate_list(self, requests: Iterable[dict | str], sampling: SamplingParams | None = None) -> list[dict]:
         """All results, in the order of the requests (a request's n samples in order of sample_index)."""
         requests = list(requests)
         ids = [r.get("id", i) if isinstance(r, dict) else i for i, r in enumerate(requests)]

@@ -112,3 +112,12 @@ def test_a_live_source_may_have_nothing_for_a_while(llm):
     assert sorted(r["id"] for r in results) == ["first", "second"]
     assert all(r["completion_tokens"] == 8 for r in results)
     assert max(seen_running) == 1  # "first" was running while the source had nothing
+
+
+def test_a_plain_string_is_a_request_of_that_prompt(llm):
+    """As vLLM's generate(["..."]): the string is the row's prompt; its id is its place, as for any row without one."""
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    by_string, by_row, other = llm.generate_list(["hi there", {"id": "r", "prompt": "hi there"}, "   "], greedy)
+    assert by_string["id"] == 0 and by_string["error"] is None
+    assert by_string["output_token_ids"] == by_row["output_token_ids"]
+    assert other["id"] == 2 and "prompt is empty" in other["error"]
