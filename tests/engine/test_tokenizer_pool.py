@@ -25,7 +25,7 @@ def mixed_rows(seed=0, n=150):
     """Good rows of each prompt kind, with a bad row now and then."""
     rng = random.Random(seed)
     bad = [
-        "not a row", {"max_tokens": 3}, {"prompt": "   "}, {"prompt_token_ids": [1, 2, 10**6]},
+        42, {"max_tokens": 3}, {"prompt": "   "}, {"prompt_token_ids": [1, 2, 10**6]},
         {"prompt": "hi", "temperature": -1.0}, {"messages": [{"role": "user"}]},
         {"prompt": text(rng, 300), "max_tokens": 4},  # too long
     ]
