@@ -51,9 +51,10 @@ class ModelRunner:
             self.device = torch.device("cuda", tp.rank)
         self.dtype = resolve_dtype(config.dtype, model_cfg.torch_dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        if config.max_model_len and config.max_model_len > model_cfg.context_length():
+        context = model_cfg.context_length()
+        if config.max_model_len and config.max_model_len > context:
             raise ValueError(f"invalid --max-model-len: {config.max_model_len} is past the model's context length "
-                             f"({model_cfg.context_length()}, from its config.json); give at most that")
+                             f"({context}, from its config.json); give at most that")
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         if model_cfg.sliding_window:  # we attend to the whole context: stay inside the window
             self.max_model_len = min(self.max_model_len, model_cfg.sliding_window)

@@ -37,7 +37,7 @@ import triton.language as tl
 from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
 from batchgen.kernels.e4m3 import FP8, GROUP, dequantize_weight_ref, quantize_weight_ref, round_ref
 from batchgen.kernels.fp8_gemm import quantize
-from batchgen.kernels.moe_align import moe_align
+from batchgen.kernels.moe_align import local_expert_ids, moe_align
 from batchgen.kernels.moe_config import GemmTile, MoeConfig, pick_config
 from batchgen.kernels.moe_sum import sum_kept_pairs
 
@@ -438,8 +438,7 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
 
     num_tokens, k = topk_ids.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
-    flat_ids = topk_ids.reshape(-1).long() - first_expert
-    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)  # (others' last)
+    flat_ids = local_expert_ids(topk_ids, first_expert, num_experts)  # (others' pairs last)
     order = torch.argsort(flat_ids, stable=True)  # the (token, k) pairs grouped by expert
     counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
     tokens = order // k

@@ -152,13 +152,19 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     return sorted_ids, block_expert, num_padded
 
 
+def local_expert_ids(topk_ids: torch.Tensor, first_expert: int, num_experts: int) -> torch.Tensor:
+    """Each pair's expert among this rank's, flat [T*k] int64: id - first_expert, and num_experts (one past
+    them) for a pair routed to another rank's expert."""
+    ids = topk_ids.reshape(-1).long() - first_expert
+    return torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+
+
 def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                     first_expert: int = 0) -> tuple[torch.Tensor, ...]:
     """The same buffers from sync-free torch ops (a scatter_add_ count: torch.bincount is not
     graph-safe on CUDA in every version). Other ranks' pairs count as one more expert, placed after
     this rank's, whose slots are then dropped (the one past the buffer takes their writes)."""
-    ids = topk_ids.reshape(-1).long() - first_expert
-    ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    ids = local_expert_ids(topk_ids, first_expert, num_experts)
     num_pairs = ids.numel()
     device = ids.device
     slots = max_slots(num_pairs, num_experts, block_m)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
+from batchgen.kernels.moe_align import local_expert_ids
 
 BLOCK_H = 512  # columns a program sums
 
@@ -67,7 +68,6 @@ def sum_kept_pairs_reference(y: torch.Tensor, topk_ids: torch.Tensor, first_expe
                              num_experts: int) -> torch.Tensor:
     """The formula in torch: other ranks' rows replaced by zeros (whatever they hold), summed in fp32."""
     num_tokens, top_k = topk_ids.shape
-    local = topk_ids.long() - first_expert
-    kept = ((local >= 0) & (local < num_experts))[:, :, None]
+    kept = (local_expert_ids(topk_ids, first_expert, num_experts) < num_experts).view(num_tokens, top_k, 1)
     rows = y.view(num_tokens, top_k, -1).float()
     return torch.where(kept, rows, torch.zeros((), device=y.device)).sum(dim=1).to(y.dtype)
