@@ -85,7 +85,7 @@ def _place_kernel(
     CHUNK: tl.constexpr,  # pairs a program
     BLOCK_E: tl.constexpr,  # experts rounded up to a power of two
     ROWS: tl.constexpr,  # chunks' counts summed a step
-    BLOCK_B: tl.constexpr,  # blocks a step of program 0's block_expert loop
+    BLOCK_B: tl.constexpr,  # blocks a step of a program's block_expert loop
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py)
 ):
     chunk = tl.program_id(0)
@@ -107,27 +107,31 @@ def _place_kernel(
     earlier = tl.cumsum(one_hot, axis=0) - one_hot  # [CHUNK, BLOCK_E]
     slot = tl.sum(one_hot * (earlier + (starts + before)[None, :]), axis=1)
     tl.store(sorted_ids_ptr + slot, pairs, mask=ok)
+    total = tl.sum(padded, axis=0)
     if chunk == 0:
-        total = tl.sum(padded, axis=0)
         tl.store(num_padded_ptr, total)
-        # each expert's padding, [BLOCK_E, BLOCK_M] slots (at most BLOCK_M - 1 an expert), gets the sentinel
-        pad_slots = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(sorted_ids_ptr + pad_slots, tl.zeros(pad_slots.shape, tl.int32) + num_pairs,
-                 mask=pad_slots < ends[:, None])
-        # a block's expert: the number of experts whose slots end at or before the block's first slot
-        # (experts past num_experts have no slots: they end at total, past every block in use)
-        for b0 in range(0, max_blocks, BLOCK_B):
-            blocks = b0 + tl.arange(0, BLOCK_B)
-            first = blocks * BLOCK_M
-            expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
-            tl.store(block_expert_ptr + blocks, tl.where(first < total, expert, -1), mask=blocks < max_blocks)
+    # the padding of this program's experts (e = chunk, chunk + num_chunks, ...), [BLOCK_E, BLOCK_M] slots (at
+    # most BLOCK_M - 1 an expert), gets the sentinel: spread over the programs, no one of them does it all
+    mine = (experts % num_chunks) == chunk
+    pad_slots = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ids_ptr + pad_slots, tl.zeros(pad_slots.shape, tl.int32) + num_pairs,
+             mask=(pad_slots < ends[:, None]) & mine[:, None])
+    # this program's share of the blocks' expert: the number of experts whose slots end at or before the
+    # block's first slot (experts past num_experts have no slots: they end at total, past every block in use)
+    per = tl.cdiv(max_blocks, num_chunks)
+    share_end = tl.minimum(chunk * per + per, max_blocks)
+    for b0 in range(chunk * per, share_end, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        first = blocks * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(first < total, expert, -1), mask=blocks < share_end)
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                      first_expert: int = 0) -> tuple[torch.Tensor, ...]:
     """topk_ids [T, k] -> (sorted_ids, block_expert, num_padded) in two launches over chunks of pairs:
     each chunk's expert counts, then every program sums the counts (all chunks', and those before
-    its own) and places its chunk's pairs; program 0 also writes the padding and the blocks' experts."""
+    its own), places its chunk's pairs, and writes its share of the experts' padding and the blocks' experts."""
     ids = topk_ids.reshape(-1).to(torch.int32)
     num_pairs = ids.numel()
     slots = max_slots(num_pairs, num_experts, block_m)
@@ -147,7 +151,8 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         ids, counts, sorted_ids, block_expert, num_padded, num_pairs, first_expert, num_experts, num_chunks,
         max_blocks,
         BLOCK_M=block_m, CHUNK=chunk, BLOCK_E=block_e, ROWS=max(1, min(32, ONE_HOT_ELEMENTS // block_e)),
-        BLOCK_B=chunk, num_warps=warps, **pdl_launch_args(device),
+        BLOCK_B=min(chunk, triton.next_power_of_2(triton.cdiv(max_blocks, num_chunks))), num_warps=warps,
+        **pdl_launch_args(device),
     )
     return sorted_ids, block_expert, num_padded
 
