@@ -7,10 +7,15 @@ rank has mapped (parallel/symmetric_all_reduce.py); every rank needs
     x = s + residual                  (rounded: the new residual)
     y = rmsnorm(x) * weight           (rounded as kernels/rmsnorm.py rounds)
 
-Rank r computes rows [r ceil(M/W), (r+1) ceil(M/W)) only: x into its own residual (right on its own
-rows only: the next call reads only those), y into every rank's output buffer. Two flag barriers a
-program, before the reads and after the writes, make the buffers safe to reuse; the grid must be
-co-resident (at most one program an SM), and the kernel is launched without PDL.
+Two forms (the grid co-resident, at most one program an SM; launched without PDL):
+- two-shot: rank r computes rows [r ceil(M/W), (r+1) ceil(M/W)) only: x into its own residual (right on
+  its own rows only: the next call reads only those), y into every rank's output buffer. Flag barriers
+  before the reads and after the remote writes make the buffers safe to reuse.
+- one-shot (small M): every rank reads all W partial sums and computes every row itself, x and y
+  locally: no remote writes, so one barrier, before the reads. The caller must not rewrite the partial
+  sums' buffer until every peer has read it: it alternates two buffers, and the next call's barrier
+  proves the peers are done with the last but one (parallel/symmetric_all_reduce.py).
+Both give every row's y bit for bit the same.
 """
 from __future__ import annotations
 
@@ -45,6 +50,46 @@ def _barrier(bases_ptr, flags_offset, rank, slot, WORLD: tl.constexpr, MAX_PROGR
                 pass
 
 
+@triton.jit
+def _epoch_barrier(bases_ptr, flags_offset, counters_ptr, rank, WORLD: tl.constexpr):
+    """Program p meets program p of every other rank without resetting flags: each sends the count of
+    its calls so far (its own counters_ptr[p] + 1) and waits until every peer's has reached it. A peer
+    is at most one call ahead, so the wrapping int32 difference orders them even past 2^31 calls."""
+    pid = tl.program_id(0)
+    epoch = tl.load(counters_ptr + pid) + 1
+    tl.store(counters_ptr + pid, epoch)
+    mine = pid * WORLD
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            flag = _remote(bases_ptr, peer, flags_offset, tl.int32) + mine + rank
+            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            flag = _remote(bases_ptr, rank, flags_offset, tl.int32) + mine + peer
+            while tl.atomic_add(flag, 0, sem="acquire", scope="sys") - epoch < 0:
+                pass
+
+
+@triton.jit
+def _sum_add_rmsnorm_row(bases_ptr, partials_offset, residual_ptr, residual_stride, w, row, hidden, eps,
+                         WORLD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row `row`: s = the ranks' partial sums (rank order, fp32, rounded once), x = s + residual (stored
+    as the new residual), -> (y = rmsnorm(x) * w, its offsets, its mask)."""
+    dtype = residual_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    at = row.to(tl.int64) * hidden + cols
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        acc += tl.load(_remote(bases_ptr, r, partials_offset, dtype) + at, mask=mask, other=0.0).to(tl.float32)
+    res = residual_ptr + row.to(tl.int64) * residual_stride + cols
+    x = (acc.to(dtype).to(tl.float32) + tl.load(res, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    tl.store(res, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    return ((xf * rstd).to(dtype).to(tl.float32) * w).to(dtype), at, mask
+
+
 @triton.jit(do_not_specialize=["eps", "num_rows", "rank"])
 def _all_reduce_add_rmsnorm_kernel(
     bases_ptr,  # [W] int64: each rank's address of the symmetric allocation
@@ -63,24 +108,15 @@ def _all_reduce_add_rmsnorm_kernel(
 ):
     dtype = residual_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_H)
-    mask = cols < hidden
     rows_per_rank = tl.cdiv(num_rows, WORLD)
     first = rank * rows_per_rank
     end = tl.minimum(num_rows, first + rows_per_rank)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
     _barrier(bases_ptr, flags_offset, rank, 0, WORLD, MAX_PROGRAMS)
     tl.debug_barrier()  # (every thread reads the peers' P after the wait)
     for row in range(first + tl.program_id(0), end, tl.num_programs(0)):
-        at = row.to(tl.int64) * hidden + cols
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for r in tl.static_range(WORLD):
-            acc += tl.load(_remote(bases_ptr, r, 0, dtype) + at, mask=mask, other=0.0).to(tl.float32)
-        res = residual_ptr + row.to(tl.int64) * residual_stride + cols
-        x = (acc.to(dtype).to(tl.float32) + tl.load(res, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-        tl.store(res, x, mask=mask)
-        xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-        y = ((xf * rstd).to(dtype).to(tl.float32) * w).to(dtype)
+        y, at, mask = _sum_add_rmsnorm_row(bases_ptr, 0, residual_ptr, residual_stride, w, row, hidden, eps,
+                                           WORLD, BLOCK_H)
         for r in tl.static_range(WORLD):
             tl.store(_remote(bases_ptr, r, out_offset, dtype) + at, y, mask=mask)
     tl.debug_barrier()  # (every thread's stores are issued before the release)
@@ -104,6 +140,50 @@ def all_reduce_add_rmsnorm_triton(
     _all_reduce_add_rmsnorm_kernel[(programs,)](
         bases, residual, residual.stride(0), weight, num_rows, hidden, eps, rank, out_offset, flags_offset,
         WORLD=world, MAX_PROGRAMS=max_programs, BLOCK_H=block_h, num_warps=min(max(block_h // 512, 1), 16),
+    )
+
+
+@triton.jit(do_not_specialize=["eps", "num_rows", "rank", "partials_offset"])
+def _one_shot_kernel(
+    bases_ptr,  # [W] int64
+    residual_ptr,  # [M, H] this rank's residual: every row read and written
+    residual_stride,
+    weight_ptr,  # [H]
+    out_ptr,  # [M, H] y, on this rank
+    num_rows,
+    hidden,
+    eps,
+    rank,
+    partials_offset,  # bytes from an allocation's start to the ranks' [M, H] partial sums
+    flags_offset,  # bytes to its int32 epoch flags, [MAX_PROGRAMS, W]
+    counters_ptr,  # [MAX_PROGRAMS] int32 on this rank: the calls each program has made
+    WORLD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK_H)
+    w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    _epoch_barrier(bases_ptr, flags_offset, counters_ptr, rank, WORLD)
+    tl.debug_barrier()  # (every thread reads the peers' P after the wait)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        y, at, mask = _sum_add_rmsnorm_row(bases_ptr, partials_offset, residual_ptr, residual_stride, w, row, hidden,
+                                           eps, WORLD, BLOCK_H)
+        tl.store(out_ptr + at, y, mask=mask)
+
+
+def all_reduce_add_rmsnorm_one_shot_triton(
+    bases: torch.Tensor, rank: int, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+    partials_offset: int, flags_offset: int, counters: torch.Tensor,
+) -> None:
+    """The one-shot form: every rank's [M, H] partial sums at partials_offset bytes into its allocation;
+    every row of y into out [M, H] and of the new residual into residual, on this rank. counters: [P]
+    int32, zeroed with the flags, then kept for every call (P = counters.numel(), the most programs)."""
+    num_rows, hidden = residual.shape
+    assert residual.stride(1) == 1 and residual.dtype == weight.dtype == out.dtype and weight.is_contiguous()
+    assert out.is_contiguous() and partials_offset % 16 == 0 and flags_offset % 4 == 0
+    block_h = triton.next_power_of_2(hidden)
+    _one_shot_kernel[(max(1, min(num_rows, counters.numel())),)](
+        bases, residual, residual.stride(0), weight, out, num_rows, hidden, eps, rank, partials_offset, flags_offset,
+        counters, WORLD=bases.numel(), BLOCK_H=block_h, num_warps=min(max(block_h // 512, 1), 16),
     )
 
 

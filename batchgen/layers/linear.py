@@ -156,7 +156,8 @@ class RowParallelLinear(PackableWeight, nn.Module):
         # The sum may come back as the symmetric buffer itself (parallel/symmetric_all_reduce.py): it is
         # valid until the next row-parallel product writes there, so it must be consumed before that
         # (as the add + RMSNorm after each of a layer's two products is); keep it past it only as a copy.
-        out = self.tp.reduce_buffer(x.shape[0], self.weight.shape[0], x.dtype) if x.dim() == 2 else None
+        out = (self.tp.reduce_buffer(x.shape[0], self.weight.shape[0], x.dtype, norm_follows and self.defer_sum)
+               if x.dim() == 2 else None)
         parts_ok = norm_follows and self.bias is None and self.tp.size == 1
         y = self.matmul(x, silu_mul=silu_mul and x.shape[-1] == 2 * self.in_per_rank, out=out, parts_ok=parts_ok)
         if y.dim() == x.dim() + 1:  # split-K parts [S, T, out] (parts_ok): the norm after the product sums them

@@ -214,7 +214,8 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         # (the experts' sum over the k lands where the all-reduce reads it: the symmetric buffer, on GPUs
         # that have one; valid until the next row-parallel product writes there)
-        out = self.experts(x, topk_weights, topk_ids, self.tp.reduce_buffer(x.shape[0], x.shape[1], x.dtype))
+        staged = self.tp.reduce_buffer(x.shape[0], x.shape[1], x.dtype, norm_follows and self.defer_sum)
+        out = self.experts(x, topk_weights, topk_ids, staged)
         if self.shared_expert is not None:  # (the gate is replicated: scaling each rank's part scales the sum)
             out.add_(torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial_sums(x))
         if norm_follows and self.defer_sum and self.tp.defers_sum(out):

@@ -42,10 +42,11 @@ class TensorParallel:
             self.group.allreduce([x]).wait()  # on CUDA: the current stream waits, the host does not
         return x
 
-    def reduce_buffer(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """Where a product may write the [rows, cols] partial sums it then passes to all_reduce, to
-        save the symmetric path's copy (parallel/symmetric_all_reduce.py); None: anywhere."""
-        return self.symmetric.staging(rows, cols, dtype) if self.symmetric is not None else None
+    def reduce_buffer(self, rows: int, cols: int, dtype: torch.dtype, for_norm: bool = False) -> torch.Tensor | None:
+        """Where a product may write the [rows, cols] partial sums it then passes to all_reduce (or, for_norm,
+        to all_reduce_add_rmsnorm), to save the symmetric path's copy (parallel/symmetric_all_reduce.py);
+        None: anywhere."""
+        return self.symmetric.staging(rows, cols, dtype, for_norm) if self.symmetric is not None else None
 
     def defers_sum(self, partials: torch.Tensor) -> bool:
         """A row-parallel product's partial sums may go unsummed to the add + RMSNorm after it, which
@@ -55,7 +56,7 @@ class TensorParallel:
     def all_reduce_add_rmsnorm(self, partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(sum + residual), sum + residual) of partials that defers_sum() took; the residual
-        is right on this rank's share of the rows only (parallel/symmetric_all_reduce.py)."""
+        is right on this rank's share of the rows at least (parallel/symmetric_all_reduce.py)."""
         return self.symmetric.all_reduce_add_rmsnorm(partials, residual, weight, eps)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
