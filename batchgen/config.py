@@ -38,7 +38,9 @@ class EngineConfig:
     # MoE models under TP: each rank holds whole experts (E / tp of them), not a slice of every expert
     expert_parallel: bool = False
     data_parallel_size: int | str = 1  # engine replicas, each on its own GPU or TP group; "auto": every visible GPU
-    max_num_seqs: int = 256
+    # None: 1024 on a GPU of 70 GiB or more (vLLM's rule; wide decode steps pay most for MoE models and
+    # short rows), else 256 (executor/memory.default_max_num_seqs); never above max_num_batched_tokens
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None  # per-step token budget; None: 8192 on CUDA, 2048 on CPU
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None: the model's max_position_embeddings; at most its context length
@@ -80,8 +82,8 @@ class EngineConfig:
                                                     and not isinstance(self.data_parallel_size, bool)
                                                     and self.data_parallel_size >= 1),
              "data_parallel_size", f"{self.data_parallel_size!r}; give a number >= 1 or auto")
-        need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
-        if self.max_num_batched_tokens is not None:
+        need(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_seqs is not None:
             need(
                 self.max_num_batched_tokens >= self.max_num_seqs,
                 "max_num_batched_tokens",

@@ -90,7 +90,8 @@ ENGINE_OPTIONS = (
     _option("data_parallel_size", str, "1", "-dp", "--data-parallel-size", panel=ENGINE, metavar="N|auto",
             help="Engine replicas, each on its own GPU (or its own --tensor-parallel-size GPUs), fed from one "
                  "input into one output; auto: every visible GPU. On a CPU the replicas share the cores."),
-    _option("max_num_seqs", int, 256, panel=ENGINE, max=INT32_MAX, help="Most sequences in one batch."),
+    _option("max_num_seqs", Optional[int], None, panel=ENGINE, max=INT32_MAX,
+            help="Most sequences in one batch. Default: 1024 on a GPU of 70 GiB or more, else 256."),
     _option("max_num_batched_tokens", Optional[int], None, panel=ENGINE, max=INT32_MAX,
             help="Token budget of one step (prefill chunks + decodes). Default: chosen by the engine."),
     _option("gpu_memory_utilization", float, 0.9, panel=ENGINE, help="Share of GPU memory the engine may use."),

@@ -169,8 +169,7 @@ def worker(
     name = consumer or f"{socket.gethostname()}-{os.getpid()}"
     try:
         config = WorkerConfig(consumer=name, claim_idle_s=claim_idle_seconds, max_deliveries=max_deliveries,
-                              drain_timeout_s=drain_timeout,
-                              max_in_flight=2 * setup.engine_options["max_num_seqs"])
+                              drain_timeout_s=drain_timeout)
     except ValueError as e:
         raise _UsageError(str(e)) from None
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
@@ -199,6 +198,7 @@ def worker(
         raise_if_dropped()
         log.info("worker %s: loading the engine; queue %s at %s", name, keys.requests, redact(options["redis_url"]))
         llm = setup.make_llm()
+        config.max_in_flight = 2 * llm.describe()["max_num_seqs"]  # (the engine's, resolved on its device)
         metrics = WorkerMetrics(llm)
         if metrics_port is not None:
             port = metrics.serve(metrics_port)

@@ -67,8 +67,8 @@ class LLMEngine:
             self.workers.fail(e)
         if self.workers is not None:  # step() reads results back through StepOutput.read(check)
             self.workers.runner_ready(self.runner.graphs.release if self.runner.graphs is not None else None)
-        self.kv = KVSlots(self.runner.kv.num_slots, config.max_num_seqs)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.runner.max_num_batched_tokens,
+        self.kv = KVSlots(self.runner.kv.num_slots, self.runner.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, self.runner.max_num_seqs, self.runner.max_num_batched_tokens,
                                    prefix_caching=config.enable_prefix_caching)
         # a request longer than this can never run: the model's length, or the whole pool
         self.max_request_len = min(self.runner.max_model_len, self.kv.num_slots)
@@ -76,7 +76,7 @@ class LLMEngine:
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
         self.structured = StructuredDecoding(
-            self.tokenizer, self.model_cfg.vocab_size, self.eos_ids, config.max_num_seqs,
+            self.tokenizer, self.model_cfg.vocab_size, self.eos_ids, self.runner.max_num_seqs,
             pin_memory=self.runner.device.type == "cuda",
         )
         self.finish = FinishRules(self.tokenizer, self.structured)
@@ -93,7 +93,7 @@ class LLMEngine:
             "dtype": str(self.runner.dtype).removeprefix("torch."),
             "device": str(self.runner.device),
             "max_model_len": self.runner.max_model_len,
-            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_seqs": self.runner.max_num_seqs,
             "max_num_batched_tokens": self.runner.max_num_batched_tokens,
             "kv_cache_tokens": self.kv.num_slots,
             "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
@@ -153,7 +153,7 @@ class LLMEngine:
         tokenize and detokenize in worker threads beside the loop (False: on this thread, between steps).
         EngineClosedError once the engine is closed."""
         source = iter(requests)
-        lookahead = 4 * self.config.max_num_seqs  # waiting requests the scheduler can choose from
+        lookahead = 4 * self.runner.max_num_seqs  # waiting requests the scheduler can choose from
         # Rows are checked and tokenized ahead of the loop, finished texts decoded behind it.
         ahead = OrderedWorker(self.request_preparer(defaults), "batchgen-tokenize", threaded)
         behind = OrderedWorker(self.finish.decode_texts, "batchgen-detokenize", threaded)

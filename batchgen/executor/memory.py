@@ -24,6 +24,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+LARGE_GPU_BYTES = 70 * 2**30  # a GPU this large or larger (80 GB A100/H100, H200) takes the wider default
+
+
+def default_max_num_seqs(device: torch.device) -> int:
+    """--max-num-seqs when not given: 1024 on a GPU of LARGE_GPU_BYTES or more, where the wider decode
+    steps' logits and activations fit beside a large KV pool, else 256 (CPUs, smaller GPUs)."""
+    if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES:
+        return 1024
+    return 256
+
+
+def resolve_max_num_seqs(max_num_seqs: int | None, max_num_batched_tokens: int | None, device: torch.device) -> int:
+    """--max-num-seqs, or when not given default_max_num_seqs(device), no more than --max-num-batched-tokens
+    (every running sequence needs room in a step for its decode token)."""
+    if max_num_seqs is not None:
+        return max_num_seqs
+    return min(default_max_num_seqs(device), max_num_batched_tokens or 2**31)
+
+
 def cpu_has_native_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
@@ -59,7 +78,7 @@ def num_kv_slots(runner) -> int:
     what the memory budget holds (on a GPU: total x gpu_memory_utilization, minus what is in use, minus
     the activation peak of the largest step, twice with CUDA graphs, whose pool is as large)."""
     cfg = runner.config
-    useful = cfg.max_num_seqs * runner.max_model_len  # more slots than this can never be used
+    useful = runner.max_num_seqs * runner.max_model_len  # more slots than this can never be used
     if cfg.kv_cache_tokens:
         return cfg.kv_cache_tokens
     per_token = KVCache.bytes_per_token(runner.model_cfg.num_layers, runner.num_kv_heads, runner.head_dim,
@@ -88,7 +107,7 @@ def num_kv_slots(runner) -> int:
 def profile_peak_bytes(runner) -> int:
     """Run the largest step (a full token budget, logits for max_num_seqs rows) on a scratch pool and
     measure the activation memory it needs beyond the weights."""
-    seqs = runner.config.max_num_seqs  # budget >= max_num_seqs: one row of logits per sequence
+    seqs = runner.max_num_seqs  # budget >= max_num_seqs: one row of logits per sequence
     tokens = min(runner.max_num_batched_tokens, seqs * runner.max_model_len)
     scratch = runner.make_kv_cache(tokens)
     lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]

@@ -14,7 +14,7 @@ from batchgen.executor.cpu_memory import keep_freed_memory
 from batchgen.executor.cpu_threads import CpuThreads, usable_cores
 from batchgen.executor.cuda_graphs import ModelGraphs
 from batchgen.executor.kv_cache import KVCache
-from batchgen.executor.memory import num_kv_slots, resolve_device, resolve_dtype, resolve_kv_dtype
+from batchgen.executor.memory import num_kv_slots, resolve_device, resolve_dtype, resolve_kv_dtype, resolve_max_num_seqs
 from batchgen.executor.product_tuning import tune_products
 from batchgen.executor.sampling import Sampler
 from batchgen.executor.staging import Staging
@@ -58,8 +58,11 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         if model_cfg.sliding_window:  # we attend to the whole context: stay inside the window
             self.max_model_len = min(self.max_model_len, model_cfg.sliding_window)
+        # (every rank the same: the ranks' graphs and steps must match)
+        self.max_num_seqs = tp.min_over_ranks(
+            resolve_max_num_seqs(config.max_num_seqs, config.max_num_batched_tokens, self.device))
         default_budget = 8192 if self.device.type == "cuda" else 2048
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(default_budget, config.max_num_seqs)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(default_budget, self.max_num_seqs)
         # the thread count first: loading converts and packs weights on these threads too
         self.cpu_threads = CpuThreads(cpu_threads_of(config, tp.size)) if self.device.type == "cpu" else None
         self.model = build_model(model_cfg, model_dir, self.dtype, self.device, self.max_model_len, tp,
@@ -76,7 +79,7 @@ class ModelRunner:
         attn = self.model.attention_layers()[0]
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         # room for a step's index arrays: ~4 per token and ~8 per sequence
-        self.staging = Staging(self.device, 8 * (self.max_num_batched_tokens + config.max_num_seqs))
+        self.staging = Staging(self.device, 8 * (self.max_num_batched_tokens + self.max_num_seqs))
         # every rank holds the same slots (its share of the heads): the pool is what the tightest rank fits
         self.kv = self.make_kv_cache(tp.min_over_ranks(num_kv_slots(self)))
         self.graphs = None
@@ -87,7 +90,7 @@ class ModelRunner:
                 tune_products(self)  # cuBLAS or a tile for each product of 65-256 rows (before graphs hold them)
             if config.cuda_graphs:
                 with torch.inference_mode():
-                    self.use_graphs(ModelGraphs(self.model, self.kv, config.max_num_seqs,
+                    self.use_graphs(ModelGraphs(self.model, self.kv, self.max_num_seqs,
                                                 self.max_num_batched_tokens, self.device))
 
     def close(self) -> None:
@@ -113,7 +116,7 @@ class ModelRunner:
     def make_kv_cache(self, num_slots: int) -> KVCache:
         """A KV pool of num_slots token slots, its layers' views handed to the attention layers."""
         kv = KVCache(
-            self.model_cfg.num_layers, num_slots, self.num_kv_heads, self.head_dim, self.config.max_num_seqs,
+            self.model_cfg.num_layers, num_slots, self.num_kv_heads, self.head_dim, self.max_num_seqs,
             self.max_model_len, self.kv_dtype, self.device,
         )
         for i, layer in enumerate(self.model.attention_layers()):

@@ -151,7 +151,7 @@ def is_choice(value) -> bool:
 def tune_products(runner) -> None:
     """Fill tile_gemm.tuned for the runner's model (a ModelRunner on CUDA, its kernels warmed up),
     from the kept choices or by timing; before the CUDA graphs are captured (they hold the choice)."""
-    sizes = tuned_sizes(runner.config.max_num_seqs, runner.max_num_batched_tokens)
+    sizes = tuned_sizes(runner.max_num_seqs, runner.max_num_batched_tokens)
     kv, dev = runner.kv, runner.device
     if not sizes or not tg.tile_gemm_supported(dev) or sizes[0] > kv.req_to_token.shape[1]:
         return

@@ -129,7 +129,7 @@ def warm_up(runner) -> None:
              ([8] * 16, [(48, 48)])]
     # decode attention's tiles for many programs (kernels/decode_attention.pick_tile), where a job can have them
     for dense in dense_tile_batch_sizes(kv.k.shape[2], num_sms(dev), kv.k.dtype, kv.k.shape[3]):
-        if dense <= runner.config.max_num_seqs:
+        if dense <= runner.max_num_seqs:
             steps.append(([5] * dense, []))
     # a step that only samples its logits has them in the model's dtype (model_runner.ModelRunner.logits_dtype)
     narrow = runner.logits_dtype([], []) != torch.float32
@@ -143,7 +143,7 @@ def warm_up(runner) -> None:
                 warm_plain_sampling(logits.to(runner.dtype))
         # the LM head at every number of sampled rows: cuBLAS picks a kernel by shape, and a kernel's
         # first launch loads its module (CUDA lazy loading), which a first job would otherwise pay
-        hidden = torch.zeros((runner.config.max_num_seqs, runner.model_cfg.hidden_size), dtype=runner.dtype, device=dev)
+        hidden = torch.zeros((runner.max_num_seqs, runner.model_cfg.hidden_size), dtype=runner.dtype, device=dev)
         for rows in range(1, hidden.shape[0] + 1):
             runner.model.compute_logits(hidden[:rows])
             if narrow:

@@ -89,7 +89,7 @@ class ReplicaPool:
             self.close()
             raise
         # rows a replica holds: what one engine runs and looks ahead at (engine.generate's lookahead)
-        self.room = 5 * config.max_num_seqs
+        self.room = 5 * self.describe()["max_num_seqs"]
         self._affinity: OrderedDict[bytes, int] = OrderedDict()
 
     @property

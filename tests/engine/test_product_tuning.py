@@ -98,7 +98,7 @@ class FakeModel:
 
 def fake_runner(max_num_seqs=96):
     kv = KVCache(1, 512, 1, 8, max_num_seqs, 512, torch.float32, torch.device("cpu"))
-    return SimpleNamespace(config=SimpleNamespace(max_num_seqs=max_num_seqs), max_num_batched_tokens=8192,
+    return SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
                            kv=kv, device=torch.device("cpu"), model=FakeModel())
 
 
