@@ -21,6 +21,7 @@ from batchgen.kernels.gumbel_argmax import gumbel_argmax, gumbel_max, temperatur
 from batchgen.kernels.token_bitmask import apply_token_bitmask
 
 TOP_RANKS_FIRST = 64  # ranks the CPU path looks at; a row they do not settle is sorted whole
+SORT_ROWS = 256  # rows sorted whole at once (mask_top_k_top_p_sorted)
 
 
 def mask_top_k_top_p(
@@ -38,7 +39,22 @@ def mask_top_k_top_p_sorted(
     logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
 ) -> torch.Tensor:
     """mask_top_k_top_p by sorting every row's whole vocabulary; equal logits in token order (a stable
-    sort), so that which of them a limit keeps does not depend on the sort."""
+    sort), so that which of them a limit keeps does not depend on the sort. SORT_ROWS rows at a time:
+    the sort's temporaries (several [rows, V] copies) stay those of SORT_ROWS rows however many a step
+    samples, and the KV pool, sized after a profile of the widest step, keeps that memory."""
+    if logits.shape[0] <= SORT_ROWS:
+        return _mask_sorted(logits, temperatures, top_ks, top_ps)
+    out = torch.empty_like(logits)
+    for start in range(0, logits.shape[0], SORT_ROWS):
+        rows = slice(start, start + SORT_ROWS)
+        out[rows] = _mask_sorted(logits[rows], temperatures[rows], top_ks[rows], top_ps[rows])
+    return out
+
+
+def _mask_sorted(
+    logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
+) -> torch.Tensor:
+    """mask_top_k_top_p_sorted of rows taken at once."""
     scaled = temperature_scaled(logits, temperatures)
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)

@@ -298,3 +298,20 @@ def test_which_steps_sample_from_16_bit_logits(llm, fields, plain):
     for fp32_runner in (runner(device="cpu"), runner(dtype=torch.float32), runner(tp=SimpleNamespace(size=2)),
                         runner(batch_invariant=True)):
         assert ModelRunner.logits_dtype(fp32_runner, [other], []) == torch.float32
+
+
+def test_whole_row_sort_in_row_chunks_gives_the_same_masks(monkeypatch):
+    """mask_top_k_top_p_sorted sorts SORT_ROWS rows at a time (its temporaries bounded however many rows a step
+    samples): with chunks of 1, 3 and 5 rows (a last one short) the masked logits are those of one sort of all."""
+    from batchgen.executor import sampling
+
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(11, 500, generator=g) * 3).bfloat16().float()  # (ties)
+    temperatures = torch.rand(11, generator=g) * 2 + 0.05
+    top_ks = torch.tensor([500, 5, 64, 1, 200, 500, 7, 500, 30, 10, 499])
+    top_ps = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.99, 0.3, 0.999, 0.7, 1.0, 1.0, 0.05])
+    whole = sampling.mask_top_k_top_p_sorted(logits, temperatures, top_ks, top_ps)
+    assert whole.isfinite().sum() < whole.numel() // 2  # (the limits do mask)
+    for rows in (1, 3, 5):
+        monkeypatch.setattr(sampling, "SORT_ROWS", rows)
+        assert torch.equal(sampling.mask_top_k_top_p_sorted(logits, temperatures, top_ks, top_ps), whole)
