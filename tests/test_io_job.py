@@ -302,3 +302,33 @@ def test_second_run_on_the_same_output_is_refused_while_the_first_holds_it(tmp_p
     result, _, _ = run(tmp_path, src, llm=Reentrant())
     assert result.status == "complete"
     assert errors and "another batchgen run" in errors[0]
+
+
+def test_a_work_directory_batchgen_did_not_make_is_left_alone(tmp_path):
+    """OUTPUT.partial/ holding files but no lock (the user's, not a run's leftover) would be emptied and deleted
+    with the job's parts: refused, and nothing in it touched; a file of that name is refused too. Afterwards
+    an empty folder there is used (and removed when the job is done)."""
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(3))
+    workdir = workdir_for(tmp_path / "out.parquet")
+    workdir.mkdir()
+    (workdir / "notes.txt").write_text("mine")
+    with pytest.raises(JobError, match="not a batchgen work directory"):
+        run(tmp_path, src)
+    assert (workdir / "notes.txt").read_text() == "mine" and not (tmp_path / "out.parquet").exists()
+    (workdir / "notes.txt").unlink()
+    workdir.rmdir()
+    workdir.write_text("a file")
+    with pytest.raises(JobError, match="in the way"):
+        run(tmp_path, src)
+    assert workdir.read_text() == "a file"
+    workdir.unlink()
+    workdir.mkdir()
+    result, _, _ = run(tmp_path, src)
+    assert result.status == "complete" and len(read_rows(tmp_path / "out.parquet")) == 3 and not workdir.exists()
+
+
+def test_an_output_folder_that_cannot_be_made_is_one_clear_error(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(1))
+    spec = JobSpec(input=src, output=src / "out.parquet", settings={"model": "stand-in"})  # (under a file)
+    with pytest.raises(JobError, match="cannot make OUTPUT's folder"):
+        run_job(spec, StandInLLM, sampling=None, stop_event=threading.Event())

@@ -74,3 +74,12 @@ def test_unusable_input_files(tmp_path, name, content, fragment):
         path.write_bytes(content)
     with pytest.raises(InputError, match=fragment):
         open_source(path)
+
+
+def test_parquet_with_a_repeated_column_name_is_refused(tmp_path):
+    """Two `prompt` (or `id`) columns: which one a row reads is no choice to make silently."""
+    path = tmp_path / "in.parquet"
+    table = pa.Table.from_arrays([pa.array(["a"]), pa.array(["x"]), pa.array(["y"])], names=["id", "prompt", "prompt"])
+    pq.write_table(table, path)
+    with pytest.raises(InputError, match="more than one column named 'prompt'"):
+        open_source(path)

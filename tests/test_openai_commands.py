@@ -46,6 +46,7 @@ def test_submit_an_openai_file_and_collect_the_openai_output(tmp_path, client, k
 @pytest.mark.parametrize("args, option", [
     (["run", "{src}", "out.parquet", "--error-file", "e.jsonl"], "--error-file"),
     (["run", "{src}", "out.jsonl", "--error-file", "out.jsonl"], "--error-file"),
+    (["run", "{src}", "out.jsonl", "--error-file", "out.jsonl.batchgen.json"], "--error-file"),  # (the metadata)
     (["run", "{parquet}", "out.jsonl", "--input-format", "openai"], "--input-format"),
     (["run", "{src}", "out.jsonl", "--output-format", "csv"], "--output-format"),
     (["run", "{src}", "out.jsonl", "--served-model-name", ""], "--served-model-name"),

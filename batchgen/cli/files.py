@@ -65,8 +65,12 @@ def _formats(input: Optional[Path], output: Path, input_format: InputFormat, out
         if resolved != "openai":
             raise typer.BadParameter("needs the OpenAI output format (--output-format openai or an OUTPUT named "
                                      "*.jsonl)", param_hint="'--error-file'")
-        if error_file.resolve() in {output.resolve(), *([input.resolve()] if input is not None else [])}:
-            raise typer.BadParameter("must differ from INPUT and OUTPUT", param_hint="'--error-file'")
+        from batchgen.io.openai_output import sidecar_path
+
+        taken = {output.resolve(), sidecar_path(output).resolve(), *([input.resolve()] if input is not None else [])}
+        if error_file.resolve() in taken:
+            raise typer.BadParameter("must differ from INPUT, OUTPUT and OUTPUT's metadata file "
+                                     f"({sidecar_path(output).name})", param_hint="'--error-file'")
         if error_file.is_dir():
             raise typer.BadParameter(f"{str(error_file)!r} is a directory", param_hint="'--error-file'")
     return {"input_format": input_format.value, "output_format": resolved, "error_file": error_file}

@@ -131,7 +131,10 @@ def _run_job(spec, make_llm, sampling, stop_event, progress, on_generation, star
     output = spec.output
     if output.is_dir():
         raise JobError(f"OUTPUT {str(output)!r} is a directory; give a file name such as out.parquet")
-    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # (a file where a folder should be, a read-only or virtual file system)
+        raise JobError(f"cannot make OUTPUT's folder {str(output.parent)!r}: {e.strerror or e}") from None
     fingerprint = fingerprint_of(spec, input_format)
     finished_fingerprint = openai_output.stored_fingerprint if spec.openai_output else output_fingerprint
     stored_metadata = openai_output.stored_metadata if spec.openai_output else _stored_metadata

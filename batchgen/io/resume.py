@@ -102,9 +102,20 @@ class WorkDir:
         self._lock_fd: int | None = None
 
     def open(self, fingerprint: dict, resume: bool) -> None:
-        """Takes the lock; starts a fresh work directory or checks that the leftover one is ours."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        """Takes the lock; starts a fresh work directory or checks that the leftover one is ours. A path
+        there that batchgen did not make (a file, or a directory with files but no lock) is refused: the
+        work directory is emptied and deleted, and whatever else was in it with it."""
+        if self.path.exists() and not self.path.is_dir():
+            raise JobError(f"{self.path} is in the way: batchgen keeps OUTPUT's unfinished rows there; move it "
+                           "away or choose another OUTPUT")
+        if self.path.is_dir() and not (self.path / "lock").exists() and any(self.path.iterdir()):
+            raise JobError(f"{self.path} is not a batchgen work directory (it has no lock file), and batchgen "
+                           "would delete what it holds; move it away or choose another OUTPUT")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise JobError(f"cannot make the work directory {self.path}: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -87,6 +87,11 @@ class ParquetSource:
         except (pa.ArrowException, OSError) as e:
             raise InputError(f"input file {str(path)!r} is not a readable Parquet file: {_one_line(e)}") from e
         self.schema: pa.Schema = self._file.schema_arrow
+        names = self.schema.names
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:  # (which one a row's field would come from is no choice to make for the user)
+            raise InputError(f"input file {str(path)!r} has more than one column named "
+                             f"{', '.join(map(repr, twice))}; rename or drop the extra ones")
 
     def count_rows(self) -> int:
         return self._file.metadata.num_rows
