@@ -22,6 +22,9 @@ from batchgen.kernels.token_bitmask import apply_token_bitmask
 
 TOP_RANKS_FIRST = 64  # ranks the CPU path looks at; a row they do not settle is sorted whole
 SORT_ROWS = 256  # rows sorted whole at once (mask_top_k_top_p_sorted)
+# Temperatures below this sample greedily (vLLM's rule): logits / 1e-40 overflow fp32, and the noise of a
+# Gumbel draw is nothing beside logits / 1e-5 anyway
+MIN_TEMPERATURE = 1e-5
 
 
 def mask_top_k_top_p(
@@ -61,8 +64,10 @@ def _mask_sorted(
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_ks[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    # (top_p 1 is off: a tail whose mass before it rounds to 1 stays)
-    dropped = torch.isinf(sorted_logits) | ((mass_before >= top_ps[:, None]) & (top_ps < 1.0)[:, None])
+    # (top_p 1 is off: a tail whose mass before it rounds to 1 stays; the first token always stays, also for a
+    # top_p that rounds to 0 in fp32)
+    past_nucleus = (mass_before >= top_ps[:, None]) & (top_ps < 1.0)[:, None] & (rank > 0)[None, :]
+    dropped = torch.isinf(sorted_logits) | past_nucleus
     return logits.masked_fill(torch.zeros_like(dropped).scatter(-1, order, dropped), float("-inf"))
 
 
@@ -129,7 +134,9 @@ def mask_top_k_top_p_cpu(
     if (~whole).any():
         tops[~whole], sums[~whole] = _log_normaliser(values[~whole].masked_fill(~in_top_k[~whole], float("-inf")))
     probs = ((values - tops[:, None]) - sums[:, None]).exp()
-    kept = in_top_k & torch.isfinite(values) & ((probs.cumsum(dim=-1) - probs < ps[:, None]) | (ps >= 1.0)[:, None])
+    first = torch.arange(k)[None, :] == 0  # (always kept, as in the sorted version)
+    in_nucleus = (probs.cumsum(dim=-1) - probs < ps[:, None]) | (ps >= 1.0)[:, None] | first
+    kept = in_top_k & torch.isfinite(values) & in_nucleus
     done = ~kept[:, -1] | (ks <= k) | (k == vocab)  # the kept prefix ends among the ranks looked at
     keep[rows[done]] = torch.zeros((int(done.sum()), vocab), dtype=torch.bool).scatter(-1, order[done], kept[done])
     rest = ~unlimited
@@ -254,7 +261,8 @@ class Sampler:
             [[p.top_k if p.top_k > 0 else self.vocab_size for p in params], [p.seed or 0 for p in params], generated],
             torch.int64,
         )
-        temperatures, top_ps = self._stage([[p.temperature for p in params], [p.top_p for p in params]], torch.float32)
+        temperatures = [p.temperature if p.temperature >= MIN_TEMPERATURE else 0.0 for p in params]
+        temperatures, top_ps = self._stage([temperatures, [p.top_p for p in params]], torch.float32)
         batch = SamplingBatch(
             temperatures=temperatures, top_ks=top_ks, top_ps=top_ps, seeds=seeds, steps=steps, all_greedy=False,
             use_top_k_top_p=any(p.truncates for p in params),

@@ -315,3 +315,33 @@ def test_whole_row_sort_in_row_chunks_gives_the_same_masks(monkeypatch):
     for rows in (1, 3, 5):
         monkeypatch.setattr(sampling, "SORT_ROWS", rows)
         assert torch.equal(sampling.mask_top_k_top_p_sorted(logits, temperatures, top_ks, top_ps), whole)
+
+
+def test_tiny_temperatures_and_top_ps_sample_the_greedy_token(llm):
+    """A temperature below MIN_TEMPERATURE samples greedily (logits / 1e-40 overflow fp32: before, such rows
+    gave other tokens, and 1e-45 token 0 every step); a top_p that rounds to 0 in fp32 keeps the most likely
+    token (before, it masked every token). Alone and beside an ordinary sampled row."""
+    prompt = [5, 6, 7]
+    greedy = llm.generate_list([{"id": "g", "prompt_token_ids": prompt}],
+                               SamplingParams(temperature=0.0, max_tokens=6))[0]["output_token_ids"]
+    params = SamplingParams(temperature=1.0, max_tokens=6)
+    rows = [{"id": "t40", "prompt_token_ids": prompt, "temperature": 1e-40},
+            {"id": "t45", "prompt_token_ids": prompt, "temperature": 1e-45},
+            {"id": "t6", "prompt_token_ids": prompt, "temperature": 1e-6},
+            {"id": "p", "prompt_token_ids": prompt, "top_p": 1e-300, "seed": 3},
+            {"id": "other", "prompt_token_ids": [9, 8], "seed": 1}]
+    results = llm.generate_list(rows, params)
+    assert all(r["error"] is None for r in results)
+    assert [r["output_token_ids"] for r in results[:4]] == [greedy] * 4
+    for temperature in (1e-40, 0.0):
+        alone = llm.generate_list([{**rows[0], "temperature": temperature}], params)[0]["output_token_ids"]
+        assert alone == greedy
+
+
+def test_a_top_p_of_zero_keeps_the_first_token():
+    from batchgen.executor.sampling import mask_top_k_top_p_cpu, mask_top_k_top_p_sorted
+
+    logits = torch.tensor([[0.5, 3.0, 1.0, 3.0], [2.0, 1.0, 0.0, -1.0]])
+    args = (logits, torch.ones(2), torch.tensor([4, 4]), torch.tensor([0.0, 0.0]))
+    for mask in (mask_top_k_top_p_sorted, mask_top_k_top_p_cpu):
+        assert mask(*args).isfinite().tolist() == [[False, True, False, False], [True, False, False, False]]
