@@ -38,6 +38,8 @@ def test_help_lists_the_options_and_their_environment_variables(batchgen):
         (["--n", "0"], {}, "n must be in [1, 1024]"),
         (["--max-num-seqs", "0"], {}, "--max-num-seqs"),
         (["--max-model-len", "100000"], {}, "100000 is past the model's context length (8192"),
+        (["--kv-cache-tokens", "1000000000"], {}, "invalid --kv-cache-tokens: 1000000000 tokens of KV cache need"),
+        (["--max-num-seqs", "100000000"], {}, "invalid --max-num-seqs: 100000000 sequences of up to 8192 tokens"),
         (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization"),
         ([], {"BATCHGEN_MAX_TOKENS": "lots"}, "BATCHGEN_MAX_TOKENS"),
         (["-tp", "2"], {}, "--tensor-parallel-size"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -43,6 +44,28 @@ def resolve_max_num_seqs(max_num_seqs: int | None, max_num_batched_tokens: int |
     return min(default_max_num_seqs(device), max_num_batched_tokens or 2**31)
 
 
+def free_bytes(device: torch.device) -> int:
+    """Memory free for new tensors: the GPU's, or on a CPU the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(option: str, value: int, what: str, size_bytes: int, device: torch.device, advice: str) -> None:
+    """ValueError naming --option where what it asks for (size_bytes) is more than the device has free: a
+    one-line usage error instead of an allocator's failure after the model has loaded."""
+    free = free_bytes(device)
+    if size_bytes > free:
+        raise ValueError(f"invalid --{option.replace('_', '-')}: {value} {what} need {size_bytes / 2**30:.1f} GiB, "
+                         f"and the {device.type.upper()} has {free / 2**30:.1f} GiB free; {advice}")
+
+
 def cpu_has_native_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
@@ -79,10 +102,12 @@ def num_kv_slots(runner) -> int:
     the activation peak of the largest step, twice with CUDA graphs, whose pool is as large)."""
     cfg = runner.config
     useful = runner.max_num_seqs * runner.max_model_len  # more slots than this can never be used
-    if cfg.kv_cache_tokens:
-        return cfg.kv_cache_tokens
     per_token = KVCache.bytes_per_token(runner.model_cfg.num_layers, runner.num_kv_heads, runner.head_dim,
                                         runner.kv_dtype)
+    if cfg.kv_cache_tokens:
+        check_fits("kv_cache_tokens", cfg.kv_cache_tokens, "tokens of KV cache", cfg.kv_cache_tokens * per_token,
+                   runner.device, "give fewer, or leave it out to size the pool from the memory left")
+        return cfg.kv_cache_tokens
     note = ""
     if runner.device.type == "cpu":
         budget = cfg.cpu_kv_cache_gb * 2**30

@@ -14,7 +14,14 @@ from batchgen.executor.cpu_memory import keep_freed_memory
 from batchgen.executor.cpu_threads import CpuThreads, usable_cores
 from batchgen.executor.cuda_graphs import ModelGraphs
 from batchgen.executor.kv_cache import KVCache
-from batchgen.executor.memory import num_kv_slots, resolve_device, resolve_dtype, resolve_kv_dtype, resolve_max_num_seqs
+from batchgen.executor.memory import (
+    check_fits,
+    num_kv_slots,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_dtype,
+    resolve_max_num_seqs,
+)
 from batchgen.executor.product_tuning import tune_products
 from batchgen.executor.sampling import Sampler
 from batchgen.executor.staging import Staging
@@ -61,6 +68,10 @@ class ModelRunner:
         # (every rank the same: the ranks' graphs and steps must match)
         self.max_num_seqs = tp.min_over_ranks(
             resolve_max_num_seqs(config.max_num_seqs, config.max_num_batched_tokens, self.device))
+        # (its token table, [max_num_seqs, max_model_len] int32, before the model takes the memory)
+        check_fits("max_num_seqs", self.max_num_seqs, f"sequences of up to {self.max_model_len} tokens",
+                   4 * (self.max_num_seqs + 1) * self.max_model_len, self.device,
+                   "give fewer, or a smaller --max-model-len")
         default_budget = 8192 if self.device.type == "cuda" else 2048
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(default_budget, self.max_num_seqs)
         # the thread count first: loading converts and packs weights on these threads too
