@@ -64,7 +64,7 @@ def as_int(name: str, value: Any) -> int:
         return value
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)  # 16.0 from JSON, or from a float column that holds whole numbers
-    raise FieldError(f"{name} must be an integer, got {type_name(value)} {value!r}")
+    raise FieldError(f"{name} must be an integer, got {type_name(value)}" + ("" if value is None else f" {value!r}"))
 
 
 def check_range(name: str, value: int, limits: str | None = None) -> int:
@@ -115,7 +115,9 @@ def message_text(content: Any, where: str) -> Any:
     texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else type_name(part)
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise FieldError(f"{where}.content[{i}] is a text part without a 'text' string")
+        if kind != "text":
             raise FieldError(f"{where}.content[{i}] is not a text part (type {kind!r}); batchgen takes text only")
         texts.append(part["text"])
     return "\n".join(texts)
@@ -202,8 +204,11 @@ def check_options_and_constraint(row: dict) -> tuple[dict, StructuredSpec | None
     if stop is not None:
         if isinstance(stop, str):
             stop = [stop]
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        if not isinstance(stop, (list, tuple)):
             raise FieldError(f"stop must be a string or a list of strings, got {type_name(stop)}")
+        for i, s in enumerate(stop):
+            if not isinstance(s, str):
+                raise FieldError(f"stop[{i}] must be a string, got {type_name(s)}")
         if any(s == "" for s in stop):
             raise FieldError("stop holds an empty string")
         check_text("stop", list(stop))

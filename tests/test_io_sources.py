@@ -12,7 +12,7 @@ from batchgen.io.sources import InputError, JsonlSource, ParquetSource, open_sou
 
 def test_jsonl_rows_are_indexed_by_line_and_blank_lines_are_skipped(tmp_path):
     path = tmp_path / "in.jsonl"
-    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n\n   \n{"prompt": "b"}\r\n{"prompt": "c"}')
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n\n   \n{"prompt": "b"}\r\n\xef\xbb\xbf{"prompt": "c"}')  # (cat a b)
     source = open_source(path)
     assert isinstance(source, JsonlSource)
     rows = list(source)
@@ -23,9 +23,10 @@ def test_jsonl_rows_are_indexed_by_line_and_blank_lines_are_skipped(tmp_path):
 
 def test_jsonl_bad_lines_become_rows_with_a_reason(tmp_path):
     path = tmp_path / "in.jsonl"
-    path.write_bytes(b'{"prompt": "\xff"}\n{"prompt": \n' + b"[" * 100_000 + b"\n42\n")
+    path.write_bytes(b'{"prompt": "\xff"}\n{"prompt": \n' + b"[" * 100_000 + b"\n42\nnull\n")
     rows = list(open_source(path))
-    assert [r.index for r in rows] == [0, 1, 2, 3]
+    assert [r.index for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[4].data is None and rows[4].error == "not a JSON object (got null)"
     assert rows[0].data is None and rows[0].error.startswith("not valid UTF-8 (at byte offset 12 ")
     assert rows[1].data is None and rows[1].error.startswith("not JSON:")
     assert rows[2].data is None and "JSON" in rows[2].error

@@ -53,8 +53,8 @@ class JsonlSource:
     def __iter__(self) -> Iterator[InputRow]:
         with open(self.path, "rb") as f:
             for index, raw in enumerate(f):
-                if index == 0 and raw.startswith(b"\xef\xbb\xbf"):
-                    raw = raw[3:]  # a UTF-8 byte order mark that some editors write
+                if raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]  # a UTF-8 byte order mark that some editors write (or files joined with cat)
                 if not raw.strip():
                     continue
                 yield parse_jsonl_line(index, raw)
@@ -73,6 +73,8 @@ def parse_jsonl_line(index: int, raw: bytes) -> InputRow:
         return InputRow(index, None, "not usable JSON: nested too deeply", "line")
     except ValueError as e:  # an integer over Python's 4,300 digits
         return InputRow(index, None, f"not usable JSON: {str(e).split(':')[0].lower()}", "line")
+    if data is None:  # (`null`: no object, as `true` or `3` is not)
+        return InputRow(index, None, "not a JSON object (got null)", "line")
     return InputRow(index, data, unit="line")
 
 
