@@ -103,14 +103,14 @@ class WorkDir:
 
     def open(self, fingerprint: dict, resume: bool) -> None:
         """Takes the lock; starts a fresh work directory or checks that the leftover one is ours. A path
-        there that batchgen did not make (a file, or a directory with files but no lock) is refused: the
-        work directory is emptied and deleted, and whatever else was in it with it."""
+        there that batchgen did not make (a file, or a directory with files but no lock, job.json or
+        parts) is refused: the work directory is emptied and deleted, and whatever else was in it with it."""
         if self.path.exists() and not self.path.is_dir():
             raise JobError(f"{self.path} is in the way: batchgen keeps OUTPUT's unfinished rows there; move it "
                            "away or choose another OUTPUT")
-        if self.path.is_dir() and not (self.path / "lock").exists() and any(self.path.iterdir()):
-            raise JobError(f"{self.path} is not a batchgen work directory (it has no lock file), and batchgen "
-                           "would delete what it holds; move it away or choose another OUTPUT")
+        if self.path.is_dir() and any(self.path.iterdir()) and not self._made_by_batchgen():
+            raise JobError(f"{self.path} is not a batchgen work directory (no lock, job.json or parts), and "
+                           "batchgen would delete what it holds; move it away or choose another OUTPUT")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -127,6 +127,9 @@ class WorkDir:
         except BaseException:
             self.close()
             raise
+
+    def _made_by_batchgen(self) -> bool:
+        return (self.path / "lock").exists() or (self.path / "job.json").exists() or bool(list_parts(self.path))
 
     def _check(self, fingerprint: dict, resume: bool) -> None:
         for tmp in self.path.glob("*.tmp"):
