@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from batchgen.schema import INT32_MAX, INT_RANGES
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8 = fp8_e4m3 (float8_e4m3fn)
@@ -71,18 +74,39 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"invalid --{option.replace('_', '-')}: {what}")
 
+        def whole(option: str, low: int = 1, high: int = INT32_MAX, optional: bool = True) -> None:
+            """An integer option in [low, high] (the CLI's limits: INT32_MAX for counts, schema.INT_RANGES for
+            the seed), or None where `optional`. A bool, float or string is refused, not coerced; a NumPy
+            integer is kept as a Python int."""
+            value = getattr(self, option)
+            if value is None and optional:
+                return
+            try:
+                number = None if isinstance(value, bool) else operator.index(value)
+            except TypeError:
+                number = None
+            need(number is not None, option, f"{value!r} is not an integer")
+            need(number >= low, option, f"must be >= {low}, got {number}")
+            need(number <= high, option, f"must be <= {high}, got {number}")
+            setattr(self, option, number)
+
+        def real(option: str) -> None:
+            value = getattr(self, option)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool), option, f"{value!r} is not a number")
+
         need(self.dtype in DTYPES, "dtype", f"{self.dtype!r}; choose one of {', '.join(DTYPES)}")
         need(self.device in DEVICES, "device", f"{self.device!r}; choose one of {', '.join(DEVICES)}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
              f"{self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
         need(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
              f"{self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}, or leave it out")
-        need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        whole("tensor_parallel_size", optional=False)
         need(self.data_parallel_size == "auto" or (isinstance(self.data_parallel_size, int)
                                                     and not isinstance(self.data_parallel_size, bool)
-                                                    and self.data_parallel_size >= 1),
+                                                    and 1 <= self.data_parallel_size <= INT32_MAX),
              "data_parallel_size", f"{self.data_parallel_size!r}; give a number >= 1 or auto")
-        need(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        whole("max_num_seqs")  # (None: the engine picks it)
+        whole("max_num_batched_tokens")
         if self.max_num_batched_tokens is not None and self.max_num_seqs is not None:
             need(
                 self.max_num_batched_tokens >= self.max_num_seqs,
@@ -90,19 +114,31 @@ class EngineConfig:
                 f"{self.max_num_batched_tokens} is below --max-num-seqs ({self.max_num_seqs}); "
                 "every running sequence needs room for its decode token",
             )
+        real("gpu_memory_utilization")
         need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]")
-        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
-        need(self.kv_cache_tokens is None or self.kv_cache_tokens >= 1, "kv_cache_tokens", "must be >= 1")
+        whole("max_model_len")
+        whole("kv_cache_tokens")
+        real("cpu_kv_cache_gb")
         need(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb", "must be > 0")
+        whole("seed", *INT_RANGES["seed"], optional=False)  # the range of --seed and of a row's seed
+        for switch in BOOL_OPTIONS:
+            value = getattr(self, switch)
+            need(isinstance(value, bool), switch, f"{value!r}; give True or False")
         need(self.generation_config in GENERATION_CONFIGS, "generation_config",
              f"{self.generation_config!r}; choose one of {', '.join(GENERATION_CONFIGS)}")
         need(self.load_format in LOAD_FORMATS, "load_format",
              f"{self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
-        need(self.cpu_threads is None or (isinstance(self.cpu_threads, int) and self.cpu_threads >= 1),
+        need(self.cpu_threads is None or (isinstance(self.cpu_threads, int) and not isinstance(self.cpu_threads, bool)
+                                          and self.cpu_threads >= 1),
              "cpu_threads", f"{self.cpu_threads!r}; give a number of threads >= 1, or None for auto")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# EngineConfig's on/off switches: True or False only (a string such as "false" would be truthy)
+BOOL_OPTIONS = ("expert_parallel", "cuda_graphs", "enable_prefix_caching", "trust_remote_code", "batch_invariant",
+                "pdl", "symmetric_all_reduce")
 
 
 # --- environment knobs outside EngineConfig: where the model cache lives, and tracebacks -----------

@@ -9,7 +9,16 @@ from batchgen.engine.engine import CLOSED, EngineClosedError, LLMEngine
 from batchgen.models.generation_config import read_sampling_defaults
 from batchgen.replicas import ReplicaPool, data_parallel_size
 from batchgen.sampling_params import SamplingParams, resolve_defaults
+from batchgen.schema import KNOWN_FIELDS, IdSet
 from batchgen.version import __version__
+
+# Carried through the engine with each request (and taken off its results): the request's place in the
+# requests (generate_list orders by it), and for a request refused here, the error its result carries.
+_PLACE = "__batchgen_place__"
+_REFUSED = "__batchgen_refused__"
+# Keys of batchgen's own layers start so (io's row index, the queue's message id): their requests come
+# with ids checked in their own scope (the input file, each queued job) and pass here as they are.
+_INTERNAL = "__batchgen_"
 
 
 class LLM:
@@ -72,7 +81,7 @@ class LLM:
 
     def generate(
         self,
-        requests: Iterable[dict | str],
+        requests: Iterable[dict | str] | dict | str,
         sampling: SamplingParams | None = None,
         stop_event: threading.Event | None = None,
     ) -> Iterator[dict]:
@@ -80,24 +89,73 @@ class LLM:
         pulled lazily, only while the engine has room, so any number of them streams through in
         bounded memory. A live source (a queue) may yield None for "nothing right now": the engine
         keeps running what it has and asks again after the next step. A string is a request of that
-        prompt alone (vLLM's `generate(["..."])`). A bad request yields an error
-        row at once and affects no other. `sampling` holds the defaults a request's own fields
-        override; None: get_default_sampling_params(). EngineClosedError (a RuntimeError) once the LLM
-        is closed, here rather than at the first next()."""
+        prompt alone (vLLM's `generate(["..."])`); a lone string or dict is one request, not a list. A
+        request without an id gets its place in the requests. A request that is not a dict or string,
+        or whose id is already seen (7 and "7" are one id), yields an error row at once and affects no
+        other; a repeated id's row gets the fallback id `#row:N` (N: its place), as in a file. `sampling`
+        holds the defaults a request's own fields override; None: get_default_sampling_params().
+        EngineClosedError (a RuntimeError) once the LLM is closed, here rather than at the first next()."""
         if self.engine.closed:
             raise EngineClosedError(CLOSED)
-        return self._generate(requests, sampling, stop_event)
+        return (result for _, result in self._generate(requests, sampling, stop_event, listed=False))
 
-    def _generate(self, requests, sampling, stop_event) -> Iterator[dict]:
+    def _generate(self, requests, sampling, stop_event, listed: bool) -> Iterator[tuple[int, dict]]:
+        """-> (the request's place, its result) per result. listed: `requests` is a finite list, in which a None
+        is a bad request (in a live source: "nothing right now")."""
         defaults = sampling or self.get_default_sampling_params()
-        rows = ({"prompt": r} if isinstance(r, str) else r for r in requests)  # (a plain prompt, as vLLM takes)
-        yield from self.engine.generate(rows, defaults, stop_event, threaded=self.tokenizer_pool)
+        rows = _rows(requests, listed)
+        for result in self.engine.generate(rows, defaults, stop_event, threaded=self.tokenizer_pool):
+            refused = result.pop(_REFUSED, None)
+            if refused is not None:
+                result["error"] = refused
+            yield result.pop(_PLACE, -1), result
 
-    def generate_list(self, requests: Iterable[dict | str], sampling: SamplingParams | None = None) -> list[dict]:
-        """All results, in the order of the requests (a request's n samples in order of sample_index)."""
-        requests = list(requests)
-        ids = [r.get("id", i) if isinstance(r, dict) else i for i, r in enumerate(requests)]
-        by_id: dict = {}
-        for r in self.generate(requests, sampling):
-            by_id.setdefault(r["id"], []).append(r)
-        return [r for i in ids for r in sorted(by_id[i], key=lambda r: r["sample_index"])]
+    def generate_list(self, requests: Iterable[dict | str] | dict | str,
+                      sampling: SamplingParams | None = None) -> list[dict]:
+        """All results, in the order of the requests (a request's n samples in order of sample_index): one
+        per request and sample, as generate() gives them; here a None is a bad request (an error row), as the
+        requests are a list, not a live source."""
+        if self.engine.closed:
+            raise EngineClosedError(CLOSED)
+        results = list(self._generate(requests, sampling, None, listed=True))
+        results.sort(key=lambda placed: (placed[0], placed[1]["sample_index"]))
+        return [result for _, result in results]
+
+
+def _rows(requests, listed: bool) -> Iterator[dict | None]:
+    """The engine's rows of LLM.generate's requests: each with its id (its place where it has none) and
+    its place; one whose id is already seen, or that is not an object, becomes a row without a prompt
+    that carries its error (the engine answers it with an error row at once, in its turn)."""
+    if isinstance(requests, (str, dict)):
+        requests = [requests]  # one prompt, or one request: not its characters or keys
+    seen = IdSet()  # (7 and "7" are one id, as in a file)
+    place = 0
+    for request in requests:
+        if request is None and not listed:
+            yield None  # a live source with nothing right now: no request, no place
+            continue
+        if isinstance(request, str):
+            request = {"prompt": request}
+        if isinstance(request, dict) and any(str(k).startswith(_INTERNAL) for k in request):
+            yield request  # batchgen's own layers: checked there
+            continue
+        problem = None
+        if isinstance(request, dict):
+            own = request.get("id")
+            row_id = place if own is None else own
+        else:
+            own, row_id = None, place
+            kind = "None" if request is None else type(request).__name__
+            problem = f"a request must be a dict or a string, got {kind}"
+        if not seen.add(row_id):
+            if own is None:
+                repeat = f"the row has no id and its index {place} is already another row's id"
+            else:
+                repeat = f"id {row_id!r} already seen in this input"
+            problem, row_id = problem or repeat, f"#row:{place}"  # (the fallback id a file's row gets)
+        if problem is None:
+            yield {**request, "id": row_id, _PLACE: place}
+        else:  # no prompt: the engine's error row, whose message _generate replaces; the rest carried through
+            extras = {k: v for k, v in request.items() if k not in KNOWN_FIELDS} if isinstance(request, dict) else {}
+            yield {**extras, "id": row_id, _PLACE: place, _REFUSED: problem}
+        place += 1

@@ -9,11 +9,15 @@ from typing import Any
 
 from batchgen.models.generation_config import FIELDS
 from batchgen.schema import (
+    FLOAT_FIELDS,
+    INT_FIELDS,
     MAX_N,
+    SAMPLING_FIELDS,
     STRUCTURED_FIELDS,
     FieldError,
     StructuredSpec,
     as_int,
+    check_options,
     check_range,
     check_structured,
     check_text,
@@ -43,7 +47,23 @@ class SamplingParams:
         self.structured: StructuredSpec | None = check_structured(
             {"response_format": self.response_format, "structured_outputs": self.structured_outputs}
         )  # a FieldError (a ValueError) names the field
+        self._set_checked({name: getattr(self, name) for name in SAMPLING_FIELDS})
         self._normalize()
+
+    def _set_checked(self, values: dict) -> None:
+        """Set these sampling fields, type-checked as a row's fields are (schema.check_options: its types,
+        ranges and messages; a bool is not a number, a stop string is one stop), so that a bad value is a
+        ValueError naming its field here, not a failure in the middle of a job. None: no seed (derived
+        from the id), no stop strings or stop tokens; for the other fields a ValueError."""
+        given = {}
+        for name, value in values.items():
+            if value is not None:
+                given[name] = value
+            elif name not in _NONE_ALLOWED:
+                raise FieldError(f"{name} must be {_KINDS[name]}, got None")
+        self.__dict__.update(values)
+        if any(type(v) is not _EXACT.get(name) for name, v in given.items()):  # (check() does the ranges)
+            self.__dict__.update(check_options(given))
 
     def _normalize(self) -> None:
         self.stop = list(self.stop or [])
@@ -90,11 +110,16 @@ class SamplingParams:
         # job-wide schema, and a job replaces its defaults for every row and every extra sample.
         params = object.__new__(type(self))
         params.__dict__.update(self.__dict__)
-        params.__dict__.update(changes)
+        params._set_checked(changes)
         params._normalize()
         return params
 
 
+_NONE_ALLOWED = ("seed", "stop", "stop_token_ids")  # the sampling fields that may be None
+_KINDS = {**dict.fromkeys(INT_FIELDS, "an integer"), **dict.fromkeys(FLOAT_FIELDS, "a number"),
+          "ignore_eos": "true or false"}  # what the others must be, in check_options' words
+# values of these exact types need no check of their type (a row's seed, say, as the engine replaces it per row)
+_EXACT = {**dict.fromkeys(INT_FIELDS, int), **dict.fromkeys(FLOAT_FIELDS, float), "ignore_eos": bool}
 # the fields replace() may change without checking the constraint again
 _CARRY_CONSTRAINT = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - set(STRUCTURED_FIELDS)
 

@@ -3,6 +3,7 @@ input row and the checks of their types (one place for both the Python API and t
 output row of a request that failed."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from typing import Any, NamedTuple
@@ -47,6 +48,27 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "id": (INT64_MIN, INT64_MAX),  # an integer id: an int64 column
 }
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")  # vLLM's structured_outputs keys
+
+
+class IdSet:
+    """Ids seen so far, kept as 64-bit digests (under 100 bytes an id, whatever the id's length).
+
+    Ids compare as text: the string "7" and the integer 7 are the same id, because a JSONL file that
+    mixes them stores its ids as strings. Two different ids share a digest with odds of about
+    rows² / 2^65 (1e-8 for a million rows).
+    """
+
+    def __init__(self) -> None:
+        self._digests: set[int] = set()
+
+    def add(self, row_id: Any) -> bool:
+        """Adds `row_id`; False if it was already there (any id: a lone surrogate too, before its check)."""
+        digest = hashlib.blake2b(str(row_id).encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        key = int.from_bytes(digest, "little")
+        if key in self._digests:
+            return False
+        self._digests.add(key)
+        return True
 
 
 class FieldError(ValueError):

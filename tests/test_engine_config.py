@@ -41,3 +41,52 @@ def test_max_num_seqs_defaults_to_1024_on_a_large_gpu_else_256(monkeypatch):
     assert EngineConfig(max_num_batched_tokens=16).max_num_batched_tokens == 16  # (no default seqs to be below)
     with pytest.raises(ValueError, match="--max-num-batched-tokens"):
         EngineConfig(max_num_seqs=32, max_num_batched_tokens=16)
+
+
+BAD_OPTIONS = [
+    ("max_model_len", "8", "'8' is not an integer"),
+    ("kv_cache_tokens", 1.5, "1.5 is not an integer"),
+    ("max_num_batched_tokens", 0, "must be >= 1, got 0"),
+    ("max_num_seqs", True, "True is not an integer"),
+    ("max_num_seqs", 0, "must be >= 1, got 0"),
+    ("max_num_seqs", 2**31, "must be <= 2147483647, got 2147483648"),  # the CLI's limit (INT32_MAX)
+    ("tensor_parallel_size", "2", "'2' is not an integer"),
+    ("seed", -1, "must be >= 0, got -1"),  # --seed's range: schema.INT_RANGES["seed"]
+    ("seed", 2**63, "must be <= 9223372036854775807, got 9223372036854775808"),
+    ("seed", 1.0, "1.0 is not an integer"),
+    ("gpu_memory_utilization", "0.5", "'0.5' is not a number"),
+    ("cpu_kv_cache_gb", True, "True is not a number"),
+    ("cuda_graphs", "false", "'false'; give True or False"),
+    ("enable_prefix_caching", 0, "0; give True or False"),
+    ("cpu_threads", True, "True; give a number of threads"),
+]
+
+
+def test_every_option_checks_its_type_and_range():
+    """Each bad value is one ValueError naming the option as the CLI does (invalid --option-name: ...),
+    not a TypeError, nor a torch error after the model loads, nor a value kept or silently replaced."""
+    import pytest
+
+    for option, value, what in BAD_OPTIONS:
+        with pytest.raises(ValueError) as refused:
+            EngineConfig(**{option: value})
+        assert str(refused.value).startswith(f"invalid --{option.replace('_', '-')}: {what}"), (option, value)
+
+
+def test_integer_options_take_their_bounds_and_numpy_integers():
+    import numpy as np
+
+    config = EngineConfig(max_num_seqs=2**31 - 1, max_num_batched_tokens=2**31 - 1, max_model_len=1,
+                          kv_cache_tokens=np.int64(64), seed=2**63 - 1, tensor_parallel_size=1)
+    assert config.kv_cache_tokens == 64 and type(config.kv_cache_tokens) is int
+    assert config.seed == 2**63 - 1 and EngineConfig(seed=0).seed == 0
+    assert EngineConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1
+
+
+def test_llm_refuses_a_bad_option_before_loading_the_model():
+    import pytest
+
+    from batchgen import LLM
+
+    with pytest.raises(ValueError, match=r"^invalid --kv-cache-tokens: 1.5 is not an integer$"):
+        LLM("no-such-model", kv_cache_tokens=1.5)

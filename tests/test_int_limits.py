@@ -70,6 +70,7 @@ def test_openai_body_integers_past_their_ranges_are_error_lines():
     ("--max-num-seqs", 10**20, "--max-num-seqs"),
     ("--max-model-len", 10**20, "--max-model-len"),
     ("--kv-cache-tokens", 10**20, "--kv-cache-tokens"),
+    ("--max-num-batched-tokens", 0, "invalid --max-num-batched-tokens: must be >= 1, got 0"),
 ])
 def test_options_past_the_ranges_are_one_line_usage_errors(batchgen, tiny_model, tmp_path, option, value, message):
     src = tmp_path / "in.jsonl"

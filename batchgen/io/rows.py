@@ -15,7 +15,6 @@ as Arrow and pandas count) of a Parquet file.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 from batchgen.schema import (
     KNOWN_FIELDS,
     FieldError,
+    IdSet,
     check_options,
     check_prompt,
     check_range,
@@ -63,27 +63,6 @@ class InputRow:
     def fallback_id(self) -> str:
         """The id of this row's error result when the row has no usable id of its own."""
         return f"#line:{self.index + 1}" if self.unit == "line" else f"#row:{self.index}"
-
-
-class IdSet:
-    """Ids seen so far, kept as 64-bit digests (under 100 bytes an id, whatever the id's length).
-
-    Ids compare as text: the string "7" and the integer 7 are the same id, because a JSONL file that
-    mixes them stores its ids as strings. Two different ids share a digest with odds of about
-    rows² / 2^65 (1e-8 for a million rows).
-    """
-
-    def __init__(self) -> None:
-        self._digests: set[int] = set()
-
-    def add(self, row_id: str | int) -> bool:
-        """Adds `row_id`; False if it was already there."""
-        digest = hashlib.blake2b(str(row_id).encode(), digest_size=8).digest()
-        key = int.from_bytes(digest, "little")
-        if key in self._digests:
-            return False
-        self._digests.add(key)
-        return True
 
 
 class RowError(FieldError):

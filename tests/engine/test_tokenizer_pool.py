@@ -78,12 +78,13 @@ def test_a_batch_prepares_each_row_as_alone_would():
 
 
 def results_by_id(llm, rows, params):
-    """id -> the result's content; rows that are not objects have no id: None -> their results."""
+    """id -> the result's content; rows that are not objects (their id: their place, or #row:N where a row
+    holds that id): None -> their results."""
     by_id = {None: []}
     for r in llm.generate(rows, params):
         content = {k: r.get(k) for k in ("text", "output_token_ids", "finish_reason", "error", "prompt_tokens",
                                          "completion_tokens", "tag")}
-        if r["id"] is None:
+        if (r["error"] or "").startswith("a request must be"):
             by_id[None].append(content)
         else:
             assert r["id"] not in by_id
