@@ -115,6 +115,10 @@ class RequestPreparer:
             defaults = self.defaults
             if changes.get("seed", defaults.seed) is None and changes.get("temperature", defaults.temperature) != 0.0:
                 changes["seed"] = derive_seed(self.job_seed, row.get("id"))  # sampled: a seed of its own
+            if "min_tokens" not in changes and changes.get("max_tokens", defaults.max_tokens) < defaults.min_tokens:
+                raise RequestError(f"max_tokens {changes['max_tokens']} is below the job's min_tokens "
+                                   f"({defaults.min_tokens}, --min-tokens or its SamplingParams); give this row a "
+                                   "min_tokens too, or a larger max_tokens")
             params = defaults.replace(**changes)
             # the row's own constraint (its {"type": "text"} too: None) wins over the job's
             structured = own if any(f in options for f in STRUCTURED_FIELDS) else params.structured

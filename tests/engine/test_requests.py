@@ -121,3 +121,12 @@ def test_a_plain_string_is_a_request_of_that_prompt(llm):
     assert by_string["id"] == 0 and by_string["error"] is None
     assert by_string["output_token_ids"] == by_row["output_token_ids"]
     assert other["id"] == 2 and "prompt is empty" in other["error"]
+
+
+def test_a_rows_max_tokens_below_the_jobs_min_tokens_names_the_jobs_default(llm):
+    """The 2 came from the job (--min-tokens), not the row: the error row says so; a row that gives both is fine."""
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=2)
+    short, both = llm.generate_list([{"prompt_token_ids": [3, 4], "max_tokens": 1},
+                                     {"prompt_token_ids": [3, 4], "max_tokens": 1, "min_tokens": 0}], params)
+    assert short["error"].startswith("max_tokens 1 is below the job's min_tokens (2, --min-tokens")
+    assert both["error"] is None and both["completion_tokens"] == 1
