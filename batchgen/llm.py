@@ -6,10 +6,12 @@ from collections.abc import Iterable, Iterator
 
 from batchgen.config import EngineConfig
 from batchgen.engine.engine import CLOSED, EngineClosedError, LLMEngine
+from batchgen.io.rows import OUTPUT_FIELDS as RESULT_FIELDS
+from batchgen.io.rows import ROW_KEY, InputRow, RowChecker
 from batchgen.models.generation_config import read_sampling_defaults
 from batchgen.replicas import ReplicaPool, data_parallel_size
 from batchgen.sampling_params import SamplingParams, resolve_defaults
-from batchgen.schema import KNOWN_FIELDS, IdSet
+from batchgen.schema import KNOWN_FIELDS
 from batchgen.version import __version__
 
 # Carried through the engine with each request (and taken off its results): the request's place in the
@@ -90,9 +92,9 @@ class LLM:
         bounded memory. A live source (a queue) may yield None for "nothing right now": the engine
         keeps running what it has and asks again after the next step. A string is a request of that
         prompt alone (vLLM's `generate(["..."])`); a lone string or dict is one request, not a list. A
-        request without an id gets its place in the requests. A request that is not a dict or string,
-        or whose id is already seen (7 and "7" are one id), yields an error row at once and affects no
-        other; a repeated id's row gets the fallback id `#row:N` (N: its place), as in a file. `sampling`
+        request without an id gets its place in the requests. A bad request (not a dict or string, an id
+        already seen, 7 and "7" being one, or any check a file's row fails) yields an error row at once and
+        affects no other; without a usable id it gets the fallback id `#row:N` (N: its place), as in a file. `sampling`
         holds the defaults a request's own fields override; None: get_default_sampling_params().
         EngineClosedError (a RuntimeError) once the LLM is closed, here rather than at the first next()."""
         if self.engine.closed:
@@ -123,12 +125,13 @@ class LLM:
 
 
 def _rows(requests, listed: bool) -> Iterator[dict | None]:
-    """The engine's rows of LLM.generate's requests: each with its id (its place where it has none) and
-    its place; one whose id is already seen, or that is not an object, becomes a row without a prompt
-    that carries its error (the engine answers it with an error row at once, in its turn)."""
+    """The engine's rows of LLM.generate's requests, checked as a file's rows are (io.rows.RowChecker: the
+    id's type and range, a repeated id, reserved column names, text that is not valid Unicode), each with
+    its place; a bad one becomes a row without a prompt that carries its error (the engine answers it
+    with an error row at once, in its turn)."""
     if isinstance(requests, (str, dict)):
         requests = [requests]  # one prompt, or one request: not its characters or keys
-    seen = IdSet()  # (7 and "7" are one id, as in a file)
+    checker = RowChecker()
     place = 0
     for request in requests:
         if request is None and not listed:
@@ -139,23 +142,17 @@ def _rows(requests, listed: bool) -> Iterator[dict | None]:
         if isinstance(request, dict) and any(str(k).startswith(_INTERNAL) for k in request):
             yield request  # batchgen's own layers: checked there
             continue
-        problem = None
-        if isinstance(request, dict):
-            own = request.get("id")
-            row_id = place if own is None else own
-        else:
-            own, row_id = None, place
+        if not isinstance(request, dict):  # (its id: the fallback a file's row without a usable id gets)
             kind = "None" if request is None else type(request).__name__
-            problem = f"a request must be a dict or a string, got {kind}"
-        if not seen.add(row_id):
-            if own is None:
-                repeat = f"the row has no id and its index {place} is already another row's id"
-            else:
-                repeat = f"id {row_id!r} already seen in this input"
-            problem, row_id = problem or repeat, f"#row:{place}"  # (the fallback id a file's row gets)
-        if problem is None:
-            yield {**request, "id": row_id, _PLACE: place}
+            yield {"id": f"#row:{place}", _PLACE: place, _REFUSED: f"a request must be a dict or a string, got {kind}"}
+            place += 1
+            continue
+        checked, error = checker.check(InputRow(place, request))
+        if checked is not None:
+            checked.pop(ROW_KEY)
+            yield {**checked, _PLACE: place}
         else:  # no prompt: the engine's error row, whose message _generate replaces; the rest carried through
-            extras = {k: v for k, v in request.items() if k not in KNOWN_FIELDS} if isinstance(request, dict) else {}
-            yield {**extras, "id": row_id, _PLACE: place, _REFUSED: problem}
+            error.pop(ROW_KEY)
+            extras = {k: v for k, v in error.items() if k not in KNOWN_FIELDS and k not in RESULT_FIELDS}
+            yield {**extras, "id": error["id"], _PLACE: place, _REFUSED: error["error"]}
         place += 1

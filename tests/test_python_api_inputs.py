@@ -38,19 +38,32 @@ def test_a_repeated_ids_error_row_keeps_its_other_columns(llm):
     assert first["error"] is None and second["source"] == "s" and "already seen" in second["error"]
 
 
-def test_requests_that_are_not_dicts_are_error_rows_with_their_place_as_id(llm):
+def test_requests_that_are_not_dicts_are_error_rows_under_the_fallback_id(llm):
+    """#row:N, N their place, as a Parquet row without a usable id; a None in a list is such a request."""
     results = llm.generate_list(["Hi", None, {"id": "z", "prompt": "Ok"}], ONE)
-    assert summary(results) == [(0, None), (1, "a request must be a dict or a string, got None"), ("z", None)]
+    assert summary(results) == [(0, None), ("#row:1", "a request must be a dict or a string, got None"), ("z", None)]
     results = llm.generate_list(["Hi", 5, ["x"]], ONE)
-    assert summary(results) == [(0, None), (1, "a request must be a dict or a string, got int"),
-                                (2, "a request must be a dict or a string, got list")]
+    assert summary(results) == [(0, None), ("#row:1", "a request must be a dict or a string, got int"),
+                                ("#row:2", "a request must be a dict or a string, got list")]
     assert sorted(summary(llm.generate(["Hi", 5, ["x"]], ONE)), key=str) == sorted(summary(results), key=str)
     assert summary(llm.generate_list([{"id": None, "prompt": "Hi"}], ONE)) == [(0, None)]  # a null id: none
 
 
-def test_a_bad_requests_place_taken_by_an_id_gets_the_fallback_id(llm):
-    results = llm.generate_list([{"id": 1, "prompt": "a"}, 5], ONE)
-    assert summary(results) == [(1, None), ("#row:1", "a request must be a dict or a string, got int")]
+@pytest.mark.parametrize("request_, message", [
+    ({"id": [1, 2], "prompt": "hi"}, "id must be a string or an integer, got list"),
+    ({"id": "", "prompt": "hi"}, "id is an empty string"),
+    ({"id": 2**70, "prompt": "hi"}, "id must be"),
+    ({"id": 1.5, "prompt": "hi"}, "id must be a string or an integer, got float"),
+    ({"id": "#row:7", "prompt": "hi"}, "has the form of the ids batchgen gives"),
+    ({"id": "z\ud800", "prompt": "hi"}, "id is not valid Unicode"),
+    ({"id": "x", "prompt": "hi", "text": "mine"}, "column text is reserved for the output"),
+    ({"id": "w", "prompt": "hi", "col": "bad\ud800"}, "column col is not valid Unicode"),
+])
+def test_ids_and_columns_are_checked_as_a_files_are(llm, request_, message):
+    """The README's row checks hold on this path too: the id's type and range, the fallback ids' form, reserved
+    output columns, text that no writer could store."""
+    good, bad = llm.generate_list([{"id": "good", "prompt": "a"}, request_], ONE)
+    assert good["error"] is None and message in bad["error"] and bad["finish_reason"] == "error"
 
 
 def test_a_live_sources_none_is_no_request_and_takes_no_place(llm):
