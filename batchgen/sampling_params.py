@@ -70,6 +70,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0  # greedy (logits / 1e-40 would overflow fp32)
         self.check()
 
     def check(self) -> None:
@@ -115,6 +117,9 @@ class SamplingParams:
         return params
 
 
+# Temperatures below this sample greedily (vLLM's rule): logits / 1e-40 overflow fp32, and the noise of a
+# Gumbel draw is nothing beside logits / 1e-5 anyway
+MIN_TEMPERATURE = 1e-5
 _NONE_ALLOWED = ("seed", "stop", "stop_token_ids")  # the sampling fields that may be None
 _KINDS = {**dict.fromkeys(INT_FIELDS, "an integer"), **dict.fromkeys(FLOAT_FIELDS, "a number"),
           "ignore_eos": "true or false"}  # what the others must be, in check_options' words

@@ -22,9 +22,6 @@ from batchgen.kernels.token_bitmask import apply_token_bitmask
 
 TOP_RANKS_FIRST = 64  # ranks the CPU path looks at; a row they do not settle is sorted whole
 SORT_ROWS = 256  # rows sorted whole at once (mask_top_k_top_p_sorted)
-# Temperatures below this sample greedily (vLLM's rule): logits / 1e-40 overflow fp32, and the noise of a
-# Gumbel draw is nothing beside logits / 1e-5 anyway
-MIN_TEMPERATURE = 1e-5
 
 
 def mask_top_k_top_p(
@@ -261,8 +258,7 @@ class Sampler:
             [[p.top_k if p.top_k > 0 else self.vocab_size for p in params], [p.seed or 0 for p in params], generated],
             torch.int64,
         )
-        temperatures = [p.temperature if p.temperature >= MIN_TEMPERATURE else 0.0 for p in params]
-        temperatures, top_ps = self._stage([temperatures, [p.top_p for p in params]], torch.float32)
+        temperatures, top_ps = self._stage([[p.temperature for p in params], [p.top_p for p in params]], torch.float32)
         batch = SamplingBatch(
             temperatures=temperatures, top_ks=top_ks, top_ps=top_ps, seeds=seeds, steps=steps, all_greedy=False,
             use_top_k_top_p=any(p.truncates for p in params),

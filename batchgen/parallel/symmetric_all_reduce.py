@@ -59,6 +59,7 @@ class SymmetricAllReduce:
         self.bases, self.rank, self.max_programs = bases, rank, max_programs
         self.fuse_norm = bases.numel() == FUSED_NORM_RANKS
         self._offsets = offsets
+        self._one_shot_offsets = (offsets["one_shot_0"], offsets["one_shot_1"])
         self._next_one_shot = 0  # the one-shot buffer the next call takes
         self._counters = torch.zeros(max_programs, dtype=torch.int32, device=allocation.device)  # epoch barrier's
         self._reduce_in_place = torch.ops.symm_mem.two_shot_all_reduce_
@@ -81,7 +82,7 @@ class SymmetricAllReduce:
         which = self._next_one_shot
         if partials.data_ptr() == self.one_shot[which].data_ptr():
             all_reduce_add_rmsnorm_one_shot_triton(self.bases, self.rank, residual, weight, eps, normed,
-                                                   self._offsets[f"one_shot_{which}"], self._offsets["epochs"],
+                                                   self._one_shot_offsets[which], self._offsets["epochs"],
                                                    self._counters)
             self._next_one_shot = 1 - which
         else:
