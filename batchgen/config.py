@@ -41,8 +41,8 @@ class EngineConfig:
     # MoE models under TP: each rank holds whole experts (E / tp of them), not a slice of every expert
     expert_parallel: bool = False
     data_parallel_size: int | str = 1  # engine replicas, each on its own GPU or TP group; "auto": every visible GPU
-    # None: 1024 on a GPU of 70 GiB or more (vLLM's rule; wide decode steps pay most for MoE models and
-    # short rows), else 256 (executor/memory.default_max_num_seqs); never above max_num_batched_tokens
+    # None: on a GPU of 70 GiB or more 1024 (vLLM's rule), 2048 for MoE models (wide decode steps pay most
+    # for them), else 256 (executor/memory.default_max_num_seqs); never above max_num_batched_tokens
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None  # per-step token budget; None: 8192 on CUDA, 2048 on CPU
     gpu_memory_utilization: float = 0.9

@@ -16,9 +16,10 @@ def test_gpu_switches_default_on_and_read_their_environment_variables(monkeypatc
     assert {"pdl": False, "symmetric_all_reduce": False}.items() <= config.to_dict().items()
 
 
-def test_max_num_seqs_defaults_to_1024_on_a_large_gpu_else_256(monkeypatch):
-    """Not given: 1024 on a GPU of 70 GiB or more (an H100/H200: wider decode steps), 256 on a smaller GPU and on
-    a CPU, never above the step's token budget; given: as given. An invalid value is a usage error either way."""
+def test_max_num_seqs_defaults_by_gpu_size_and_moe(monkeypatch):
+    """Not given: 1024 on a GPU of 70 GiB or more (an H100/H200: wider decode steps), 2048 there for a mixture of
+    experts, 256 on a smaller GPU and on a CPU, never above the step's token budget; given: as given. An invalid
+    value is a usage error either way."""
     import types
 
     import pytest
@@ -32,10 +33,13 @@ def test_max_num_seqs_defaults_to_1024_on_a_large_gpu_else_256(monkeypatch):
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     gpu_bytes["total"] = 80 * 10**9  # an 80 GB H100: 74.5 GiB
     assert memory.resolve_max_num_seqs(None, None, cuda) == 1024
+    assert memory.resolve_max_num_seqs(None, None, cuda, moe=True) == 2048
+    assert memory.resolve_max_num_seqs(None, 1024, cuda, moe=True) == 1024
     assert memory.resolve_max_num_seqs(None, 512, cuda) == 512  # (--max-num-batched-tokens 512)
     assert memory.resolve_max_num_seqs(64, None, cuda) == 64
     gpu_bytes["total"] = 48 * 2**30
     assert memory.resolve_max_num_seqs(None, None, cuda) == 256
+    assert memory.resolve_max_num_seqs(None, None, cuda, moe=True) == 256
     assert memory.resolve_max_num_seqs(None, None, cpu) == 256
     assert EngineConfig().max_num_seqs is None
     assert EngineConfig(max_num_batched_tokens=16).max_num_batched_tokens == 16  # (no default seqs to be below)

@@ -28,20 +28,23 @@ def resolve_device(name: str) -> torch.device:
 LARGE_GPU_BYTES = 70 * 2**30  # a GPU this large or larger (80 GB A100/H100, H200) takes the wider default
 
 
-def default_max_num_seqs(device: torch.device) -> int:
-    """--max-num-seqs when not given: 1024 on a GPU of LARGE_GPU_BYTES or more, where the wider decode
-    steps' logits and activations fit beside a large KV pool, else 256 (CPUs, smaller GPUs)."""
+def default_max_num_seqs(device: torch.device, moe: bool = False) -> int:
+    """--max-num-seqs when not given: on a GPU of LARGE_GPU_BYTES or more, where the wider decode steps'
+    logits and activations fit beside a large KV pool, 1024, and 2048 for a mixture of experts (a decode
+    step reads every expert's weights whatever its width, so wider steps share that read among more
+    tokens); else 256 (CPUs, smaller GPUs)."""
     if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES:
-        return 1024
+        return 2048 if moe else 1024
     return 256
 
 
-def resolve_max_num_seqs(max_num_seqs: int | None, max_num_batched_tokens: int | None, device: torch.device) -> int:
-    """--max-num-seqs, or when not given default_max_num_seqs(device), no more than --max-num-batched-tokens
-    (every running sequence needs room in a step for its decode token)."""
+def resolve_max_num_seqs(max_num_seqs: int | None, max_num_batched_tokens: int | None, device: torch.device,
+                         moe: bool = False) -> int:
+    """--max-num-seqs, or when not given default_max_num_seqs(device, moe), no more than
+    --max-num-batched-tokens (every running sequence needs room in a step for its decode token)."""
     if max_num_seqs is not None:
         return max_num_seqs
-    return min(default_max_num_seqs(device), max_num_batched_tokens or 2**31)
+    return min(default_max_num_seqs(device, moe), max_num_batched_tokens or 2**31)
 
 
 def free_bytes(device: torch.device) -> int:

@@ -67,7 +67,8 @@ class ModelRunner:
             self.max_model_len = min(self.max_model_len, model_cfg.sliding_window)
         # (every rank the same: the ranks' graphs and steps must match)
         self.max_num_seqs = tp.min_over_ranks(
-            resolve_max_num_seqs(config.max_num_seqs, config.max_num_batched_tokens, self.device))
+            resolve_max_num_seqs(config.max_num_seqs, config.max_num_batched_tokens, self.device,
+                                 moe=model_cfg.num_experts > 0))
         # (its token table, [max_num_seqs, max_model_len] int32, before the model takes the memory)
         check_fits("max_num_seqs", self.max_num_seqs, f"sequences of up to {self.max_model_len} tokens",
                    4 * (self.max_num_seqs + 1) * self.max_model_len, self.device,

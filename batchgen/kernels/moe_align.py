@@ -17,10 +17,11 @@ Every buffer has the worst case's size (max_slots: num_pairs + min(num_pairs, E)
 only experts with pairs are padded) and nothing is read back to the host, so a CUDA graph captures
 the step: the products' grids cover max_blocks and blocks past num_padded exit at once.
 
-Up to TRITON_MAX_PAIRS pairs (decode) two Triton launches over chunks of pairs do it (counts per
-chunk, then each chunk's pairs placed; no atomics); above that a few sync-free torch ops (a stable
-sort, a scatter_add_ count, cumsums) do, where their launches are small beside the products. Both
-give the same buffers up to num_padded (past it the Triton kernels write nothing: nothing reads it).
+Up to TRITON_MAX_PAIRS pairs (decode steps, small prefill chunks) two Triton launches over chunks of
+pairs do it (counts per chunk, then each chunk's pairs placed; no atomics); above that a few sync-free
+torch ops (a stable sort, a scatter_add_ count, cumsums) do, where their launches are small beside the
+products. Both give the same buffers up to num_padded (past it the Triton kernels write nothing: nothing
+reads it).
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ import triton.language as tl
 
 from batchgen.kernels.device import pdl_launch_args, wait_for_prior_kernels
 
-TRITON_MAX_PAIRS = 8192
+# The kernels' chunk scans grow with the pairs, the torch ops' cost hardly does: past ~3,000 tokens at top-8
+# the torch ops win (the crossover measured in benchmarks/KERNELS.md).
+TRITON_MAX_PAIRS = 24576
 ONE_HOT_ELEMENTS = 8192  # [CHUNK, BLOCK_E] one-hot tile of a program's pairs: CHUNK = this / BLOCK_E
 
 

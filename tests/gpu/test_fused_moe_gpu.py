@@ -75,7 +75,8 @@ def test_batch_invariant():
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(256, 128, 8, 16), (1024, 128, 8, 64),
-                                                                   (4096, 8, 2, 128), (300, 60, 4, 32)])
+                                                                   (3072, 128, 8, 16), (4096, 8, 2, 128),
+                                                                   (300, 60, 4, 32)])
 def test_aligns_agree(num_tokens, num_experts, top_k, block_m):
     torch.manual_seed(2)
     ids = torch.randn(num_tokens, num_experts, device="cuda").topk(top_k, dim=-1).indices.int()
@@ -88,7 +89,7 @@ def test_aligns_agree(num_tokens, num_experts, top_k, block_m):
 
 
 @pytest.mark.parametrize("fp8", [None, "block"])
-@pytest.mark.parametrize("num_tokens", [4, 256, 2048])  # (2048 * 8 pairs: the torch align)
+@pytest.mark.parametrize("num_tokens", [4, 256, 4096])  # (4096 * 8 pairs: the torch align)
 def test_cuda_graph_replay(num_tokens, fp8):
     """Router, align, the inputs' rounding and the products captured once, replayed on other tokens and
     logits: nothing in the layer depends on values read back to the host."""
