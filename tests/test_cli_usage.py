@@ -66,6 +66,20 @@ def test_bad_inputs_are_usage_errors(batchgen, tmp_path, name, fragment):
     assert done.returncode == 2 and fragment in done.stderr
 
 
+@pytest.mark.parametrize("args, name", [(["run", EXAMPLE, ""], "OUTPUT"), (["run", "", "out.parquet"], "INPUT"),
+                                        (["run", EXAMPLE, "out.jsonl", "--error-file", ""], "--error-file"),
+                                        (["submit", "", "--job", "j"], "INPUT"),
+                                        (["collect", "", "--job", "j"], "OUTPUT")])
+def test_an_empty_file_name_is_a_usage_error_naming_the_argument(batchgen, tmp_path, monkeypatch, args, name):
+    """Not reported as '.', the folder pathlib reads an empty name as."""
+    monkeypatch.chdir(tmp_path)
+    done = batchgen(*args)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert f"Invalid value for '{name}'" in lines[0] and "is empty; give a file name" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_output_may_not_overwrite_the_input(batchgen):
     done = batchgen("run", EXAMPLE, EXAMPLE)
     assert done.returncode == 2 and "OUTPUT would overwrite INPUT" in done.stderr

@@ -96,6 +96,23 @@ def test_a_row_whose_index_is_taken_as_an_id_is_an_error():
     assert "no id and its index 1 is already another row's id" in error["error"]
 
 
+def test_an_id_that_is_an_earlier_rows_index_names_that_row():
+    """An explicit id equal to the index an earlier row without an id took: the message says whose it is, not
+    'already seen' (the user gave that id once)."""
+    checker = RowChecker()
+    for index in range(12):
+        assert check({"prompt": "x"}, index, checker)[1] is None
+    assert check({"id": 20, "prompt": "x"}, 12, checker)[1] is None
+    for index, row_id in enumerate([0, "11", 7], start=13):
+        _, error = check({"id": row_id, "prompt": "y"}, index, checker)
+        assert error["id"] == f"#row:{index}"
+        assert error["error"].startswith(f"id {row_id!r} is taken: row {row_id} has no id, and a row without an id")
+    _, error = check({"id": 20, "prompt": "y"}, 16, checker)  # an explicit id seen twice: as before
+    assert error["error"] == "id 20 already seen in this input"
+    _, error = check({"id": "011", "prompt": "y"}, 17, checker)  # not an index's text: a new id
+    assert error is None
+
+
 def test_id_of_a_bad_row_still_counts_as_seen():
     checker = RowChecker()
     assert check({"id": "a"}, 0, checker)[1] is not None  # no prompt

@@ -20,7 +20,8 @@ def summary(results):
 @pytest.mark.parametrize("requests, message", [
     ([{"id": 1, "prompt": "a"}, {"id": 1, "prompt": "b"}], "id 1 already seen in this input"),
     ([{"id": 1, "prompt": "a"}, {"id": "1", "prompt": "b"}], "id '1' already seen in this input"),  # ids are text
-    (["a", {"id": 0, "prompt": "b"}], "id 0 already seen in this input"),  # a string's id is its place
+    (["a", {"id": 0, "prompt": "b"}], "id 0 is taken: row 0 has no id, and a row without an id takes its 0-based "
+                                      "index as id; give every row an id, or none"),  # a string's id is its place
     ([{"id": 1, "prompt": "a"}, "b"], "the row has no id and its index 1 is already another row's id"),
 ])
 def test_a_repeated_id_is_an_error_row_and_each_request_has_one_result(llm, requests, message):

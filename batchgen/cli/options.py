@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 from enum import Enum
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -39,6 +40,13 @@ SAMPLING = "Sampling defaults (per-row columns override them)"
 JOB = "Job"
 OPENAI = "OpenAI Batch API files"
 QUEUE = "Queue"
+
+
+def file_path(value: str) -> Path:
+    """A file argument's parser: an empty name is a usage error (pathlib would read it as '.', the folder)."""
+    if not value:
+        raise typer.BadParameter("is empty; give a file name")
+    return Path(value)
 
 
 def input_format_option(help: str):

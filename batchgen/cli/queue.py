@@ -27,6 +27,7 @@ from batchgen.cli.options import (
     OutputFormat,
     _env,
     _with_options,
+    file_path,
     input_format_option,
     served_model_name_option,
 )
@@ -83,7 +84,7 @@ JOB_NAME = dict(envvar=_env("JOB"), rich_help_panel=QUEUE, show_default=False, m
 @_with_options(QUEUE_OPTIONS)
 def submit(
     input: Path = typer.Argument(..., help="Prompts: a .jsonl file (one JSON object a line) or a .parquet file.",
-                                 show_default=False),
+                                 show_default=False, parser=file_path, metavar="INPUT"),
     job: str = typer.Option(..., "--job", **JOB_NAME),
     input_format: InputFormat = input_format_option(
         "openai: INPUT is an OpenAI batch file; auto: told by its first line."),
@@ -226,7 +227,8 @@ def worker(
 @_with_options(QUEUE_OPTIONS)
 def collect(
     output: Path = typer.Argument(..., help="Results: a Parquet file (or, named *.jsonl, an OpenAI batch output "
-                                            "file), written when every row has a result.", show_default=False),
+                                            "file), written when every row has a result.", show_default=False,
+                                  parser=file_path, metavar="OUTPUT"),
     job: str = typer.Option(..., "--job", **JOB_NAME),
     timeout: Optional[float] = typer.Option(None, "--timeout", envvar=_env("TIMEOUT"), rich_help_panel=QUEUE,
                                             min=0.0, show_default=False,
@@ -239,6 +241,7 @@ def collect(
                                                help="openai: the OpenAI batch output file (JSONL); "
                                                     "auto: openai for an OUTPUT named *.jsonl, else parquet."),
     error_file: Optional[Path] = typer.Option(None, "--error-file", envvar=_env("ERROR_FILE"), rich_help_panel=OPENAI,
+                                              parser=file_path,
                                               help="OpenAI output: write failed lines here instead of into OUTPUT."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", envvar=_env("TOKENIZER"), rich_help_panel=OPENAI,
                                             metavar="MODEL",

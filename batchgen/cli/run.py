@@ -24,6 +24,7 @@ from batchgen.cli.options import (
     OutputFormat,
     _env,
     _with_options,
+    file_path,
     input_format_option,
     served_model_name_option,
 )
@@ -33,9 +34,10 @@ from batchgen.cli.signals import _Signals
 @_with_options(ENGINE_OPTIONS, SAMPLING_OPTIONS)
 def run(
     input: Path = typer.Argument(..., help="Prompts: a .jsonl file (one JSON object a line) or a .parquet file.",
-                                 show_default=False),
+                                 show_default=False, parser=file_path, metavar="INPUT"),
     output: Path = typer.Argument(..., help="Results: a Parquet file (or, named *.jsonl, an OpenAI batch output "
-                                            "file), written when the job completes.", show_default=False),
+                                            "file), written when the job completes.", show_default=False,
+                                  parser=file_path, metavar="OUTPUT"),
     shard: Optional[str] = typer.Option(None, "--shard", envvar=_env("SHARD"), rich_help_panel=JOB, metavar="I/N",
                                         help="Generate only rows whose index % N == I (0 <= I < N)."),
     resume: bool = typer.Option(True, "--resume/--no-resume", envvar=_env("RESUME"), rich_help_panel=JOB,
@@ -63,6 +65,7 @@ def run(
         "The model name OpenAI lines may give in body.model (repeat for several; the first is reported). "
         "Default: --model, or the default model's name."),
     error_file: Optional[Path] = typer.Option(None, "--error-file", envvar=_env("ERROR_FILE"), rich_help_panel=OPENAI,
+                                              parser=file_path,
                                               help="OpenAI output: write failed lines here instead of into OUTPUT."),
     options: dict = None,
 ) -> None:

@@ -112,6 +112,7 @@ class RowChecker:
 
     def __init__(self) -> None:
         self.seen = IdSet()
+        self._without_id = bytearray()  # bit i: row i has no id of its own (its index is its id)
 
     def check(self, row: InputRow) -> tuple[dict | None, dict | None]:
         """Returns (request, None) for a good row and (None, error result) for a bad one.
@@ -137,11 +138,31 @@ class RowChecker:
         if id_problem is None and not self.seen.add(row_id):
             if row_id == row.index and data.get("id") is None:
                 id_problem = f"the row has no id and its index {row.index} is already another row's id"
+            elif self._took_index_as_id(row_id):
+                id_problem = (f"id {row_id!r} is taken: row {row_id} has no id, and a row without an id takes its "
+                              f"0-based index as id; give every row an id, or none")
             else:
                 id_problem = f"id {row_id!r} already seen in this input"
+        if id_problem is None and data.get("id") is None:
+            self._mark_without_id(row.index)
         if id_problem is not None:
             return None, error_row(row.index, row.fallback_id, id_problem, extras)
         return checked_request(row.index, row_id, data, extras)
+
+    def _mark_without_id(self, index: int) -> None:
+        byte = index >> 3
+        if byte >= len(self._without_id):
+            self._without_id.extend(bytes(max(byte + 1 - len(self._without_id), len(self._without_id))))
+        self._without_id[byte] |= 1 << (index & 7)
+
+    def _took_index_as_id(self, row_id: str | int) -> bool:
+        """Whether row_id, as text, is the index of an earlier row that has no id (ids compare as text)."""
+        text = str(row_id)
+        if not text.isdigit() or text != str(int(text)):
+            return False
+        index = int(text)
+        byte = index >> 3
+        return byte < len(self._without_id) and bool(self._without_id[byte] >> (index & 7) & 1)
 
 
 def checked_request(index: int, row_id: str | int, data: dict,
