@@ -33,6 +33,12 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0  # drop tokens below min_p times the likeliest one's probability (0 = off)
+    # vLLM's penalties: repetition divides a positive logit of a token in the prompt or the output (and
+    # multiplies a negative one); frequency and presence subtract per occurrence / once from a token in the output
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     seed: int | None = None  # None: derived from the job seed and the request id
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -85,6 +91,13 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         check_range("top_k", self.top_k)
         check_range("n", self.n)
         if self.seed is not None:
@@ -102,8 +115,13 @@ class SamplingParams:
 
     @property
     def truncates(self) -> bool:
-        """Whether top-k or top-p masks the distribution before sampling."""
-        return self.top_k > 0 or self.top_p < 1.0
+        """Whether top-k, top-p or min-p masks the distribution before sampling."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes the logits (they then depend on the sequence's tokens so far)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def replace(self, **changes) -> SamplingParams:
         if not changes.keys() <= _CARRY_CONSTRAINT:  # a constraint (or an unknown name, TypeError)

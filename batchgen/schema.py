@@ -14,8 +14,10 @@ from batchgen.unicode_text import TextError, check_nested_text, writable
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")  # exactly one per row
 INPUT_FORMATS = ("auto", "openai", "batchgen")  # auto: openai where the first JSON object line is one
 OUTPUT_FORMATS = ("auto", "parquet", "openai")  # auto: openai for an OUTPUT named *.jsonl, else parquet
+PENALTY_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty")  # vLLM's and OpenAI's
 SAMPLING_FIELDS = (
-    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", *PENALTY_FIELDS, "seed", "stop",
+    "stop_token_ids", "ignore_eos", "n",
 )
 LOGPROB_OPTIONS = ("logprobs", "prompt_logprobs")  # opt-in booleans: return log-probabilities
 # opt-in output columns, each named after the row field that asks for it (top_logprobs: k, 0-20)
@@ -24,12 +26,18 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs")  # at most one: co
 # Which of a request's n samples to generate (all when absent): set by a resumed job for a row
 # whose other samples an earlier run finished.
 SAMPLES_KEY = "__batchgen_samples__"
+# vLLM's and OpenAI's sampling fields that batchgen does not do: a row may give them at their default only
+# (an error row otherwise, rather than a column carried through while the row samples without them)
+DEFAULT_ONLY_FIELDS: dict[str, tuple] = {
+    "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+}
 KNOWN_FIELDS = (  # the rest is carried through
     "id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *OUTPUT_OPTIONS, *STRUCTURED_FIELDS, SAMPLES_KEY,
 )
 METRIC_FIELDS = ("queue_s", "ttft_s", "prefill_s", "decode_s", "e2e_s", "decode_tokens_per_s")
 INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "n")
-FLOAT_FIELDS = ("temperature", "top_p")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", *PENALTY_FIELDS)
 BOOL_FIELDS = ("ignore_eos", *LOGPROB_OPTIONS)
 MAX_TOP_LOGPROBS = 20
 MAX_N = 1024  # samples of one prompt: each is a sequence of its own, built when the row is read
@@ -216,6 +224,12 @@ def check_options_and_constraint(row: dict) -> tuple[dict, StructuredSpec | None
     A constraint field given stays in the fields even when it is {"type": "text"}: that row opts out of
     the job's constraint, which only applies to rows that give neither field."""
     fields: dict[str, Any] = {}
+    for name, defaults in DEFAULT_ONLY_FIELDS.items():
+        value = row.get(name)
+        if value is not None and not any(type(value) is type(d) and value == d for d in defaults):
+            shown = json.dumps(value, default=str)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise FieldError(f"{name} {shown} is not supported (only its default); leave it out")
     for name in INT_FIELDS:
         if row.get(name) is not None:
             fields[name] = ranged_int(name, row[name])

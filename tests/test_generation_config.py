@@ -38,7 +38,8 @@ def test_the_fields_batchgen_has_are_read_under_its_names(tmp_path):
         "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 64, "do_sample": True,
         "repetition_penalty": 1.1, "max_length": 4096, "eos_token_id": [2, 7],
     }))
-    assert read_sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 64}
+    assert read_sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 64,
+                                                "repetition_penalty": 1.1}
     (tmp_path / GENERATION_CONFIG).write_text(json.dumps({"temperature": None, "top_k": 40.0, "bos_token_id": 1}))
     assert read_sampling_defaults(tmp_path) == {"top_k": 40}
     (tmp_path / GENERATION_CONFIG).unlink()
@@ -65,7 +66,7 @@ def test_an_option_beats_the_model_which_beats_the_built_in():
     assert ((params.temperature, params.top_p, params.max_tokens, params.top_k, params.stop)
             == (0.0, 0.8, 32, -1, ["\n"]))
     assert sources == {"max_tokens": "generation_config", "temperature": "option", "top_p": "generation_config",
-                       "top_k": "built-in", "stop": "option"}
+                       "top_k": "built-in", "min_p": "built-in", "repetition_penalty": "built-in", "stop": "option"}
     params, sources = resolve_defaults({}, {})
     assert params == SamplingParams() and set(sources.values()) == {"built-in"}
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\].*generation_config.json"):
@@ -105,9 +106,10 @@ def test_the_job_takes_the_models_defaults_under_its_options_and_rows(batchgen, 
     rows, meta = read(tmp_path / "auto.parquet")
     assert {i: r["completion_tokens"] for i, r in rows.items()} == {"a": 3, "b": 5}
     assert meta["sampling_defaults"] == {"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
-                                         "ignore_eos": True}
+                                         "min_p": 0.0, "repetition_penalty": 1.0, "ignore_eos": True}
     assert meta["sampling_defaults_from"] == {"max_tokens": "generation_config", "temperature": "generation_config",
-                                              "top_p": "built-in", "top_k": "option", "ignore_eos": "option"}
+                                              "top_p": "built-in", "top_k": "option", "min_p": "built-in",
+                                              "repetition_penalty": "built-in", "ignore_eos": "option"}
     assert meta["generation_config"] == meta["fingerprint"]["generation_config"] == "auto"
     assert "max_tokens 3, temperature 0.0 from the model's generation_config.json" in done.stdout
 

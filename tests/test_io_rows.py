@@ -127,3 +127,19 @@ def test_integral_float_ids_are_integers():
 def test_id_set():
     ids = IdSet()
     assert ids.add("a") and ids.add(1) and not ids.add("a") and not ids.add("1")
+
+
+@pytest.mark.parametrize("field, value, ok", [
+    ("logit_bias", {"5": 10}, False), ("logit_bias", {}, True), ("logit_bias", None, True),
+    ("include_stop_str_in_output", True, False), ("include_stop_str_in_output", False, True),
+    ("skip_special_tokens", False, False), ("skip_special_tokens", 1, False), ("bad_words", ["x"], False),
+    ("allowed_token_ids", [1, 2], False), ("truncate_prompt_tokens", 8, False),
+])
+def test_vllm_fields_batchgen_does_not_do_are_error_rows_unless_at_their_default(field, value, ok):
+    """Not carried through as a column while the row samples without them."""
+    request, error = check({"prompt": "x", field: value}, 0, RowChecker())
+    if ok:
+        assert error is None
+    else:
+        assert request is None and error["error"].startswith(f"{field} ")
+        assert "is not supported (only its default)" in error["error"]

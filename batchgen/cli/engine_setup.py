@@ -46,8 +46,9 @@ def _data_parallel_size(value: str) -> int | str:
 def _engine_setup(options: dict) -> _EngineSetup:
     """The engine and sampling options, checked (a bad value is a usage error); the sampling
     defaults resolved: an option given, else the model's generation_config.json, else built-in."""
-    from batchgen import EngineConfig
+    from batchgen import EngineConfig, SamplingParams
     from batchgen.sampling_params import resolve_defaults
+    from batchgen.schema import PENALTY_FIELDS
 
     o = options
     engine_options = dict(
@@ -65,7 +66,8 @@ def _engine_setup(options: dict) -> _EngineSetup:
         EngineConfig(model=o["model"], **engine_options)
     except ValueError as e:
         raise _UsageError(str(e)) from None
-    given = {name: o[name] for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k")}
+    given = {name: o[name] for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
+                                        *PENALTY_FIELDS)}
     given.update(stop=o["stop"] or None, ignore_eos=o["ignore_eos"] or None,  # None: not given
                  n=o["n"] if o["n"] != 1 else None, response_format=o["response_format"],
                  structured_outputs=o["structured_outputs"])
@@ -88,6 +90,8 @@ def _engine_setup(options: dict) -> _EngineSetup:
         "top_p": sampling.top_p, "top_k": sampling.top_k, "stop": sampling.stop, "ignore_eos": sampling.ignore_eos,
         "generation_config": o["generation_config"].value,
         **({"n": o["n"]} if o["n"] != 1 else {}),  # (absent for n=1: the fingerprints of earlier runs hold)
+        **{name: getattr(sampling, name) for name in ("min_p", *PENALTY_FIELDS)  # (likewise, absent when off)
+           if getattr(sampling, name) != getattr(SamplingParams, name)},
         **({"kv_cache_dtype": "fp8"} if o["kv_cache_dtype"] != KvCacheDtype.auto else {}),  # (fp8 = fp8_e4m3)
         **({"load_format": "dummy"} if o["load_format"].value == "dummy" else {}),  # (other weights: other rows)
         **({"quantization": o["quantization"].value} if o["quantization"] is not None else {}),

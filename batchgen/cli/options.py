@@ -139,6 +139,15 @@ SAMPLING_OPTIONS = (
     _option("top_p", Optional[float], None, panel=SAMPLING, help="Default: the model's, else 1.0."),
     _option("top_k", Optional[int], None, panel=SAMPLING, callback=_in_range("top_k"),
             help="-1 or 0 = off. Default: the model's, else off."),
+    _option("min_p", Optional[float], None, panel=SAMPLING,
+            help="Drop tokens below min_p times the likeliest one's probability. Default: the model's, else 0 (off)."),
+    _option("repetition_penalty", Optional[float], None, panel=SAMPLING,
+            help="(0, 2]: a token of the prompt or the output has a positive logit divided by it, a negative one "
+                 "multiplied. Default: the model's, else 1 (off)."),
+    _option("frequency_penalty", Optional[float], None, panel=SAMPLING,
+            help="[-2, 2]: subtracted from a token's logit per occurrence in the output. Default: 0."),
+    _option("presence_penalty", Optional[float], None, panel=SAMPLING,
+            help="[-2, 2]: subtracted from the logit of a token the output holds. Default: 0."),
     _option("stop", Optional[list[str]], None, panel=SAMPLING, help="A stop string (repeat for several)."),
     _option("ignore_eos", bool, False, panel=SAMPLING, help="Generate past EOS, up to --max-tokens."),
     _option("n", int, 1, panel=SAMPLING, callback=_in_range("n"),
@@ -147,7 +156,8 @@ SAMPLING_OPTIONS = (
             help="Job seed: a row without its own seed gets one derived from (seed, id)."),
     _option("generation_config", GenerationConfig, GenerationConfig.auto, panel=SAMPLING,
             help="auto: sampling defaults not given as options come from the model's generation_config.json "
-                 "(temperature, top_p, top_k, max_new_tokens); none: from batchgen's built-ins."),
+                 "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); none: from batchgen's "
+                 "built-ins."),
     _option("response_format", Optional[str], None, panel=SAMPLING, metavar="JSON",
             help='Constrain every row that has no constraint of its own, OpenAI\'s form: '
                  '\'{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}\' '

@@ -258,8 +258,8 @@ class LLMEngine:
 
     def _step(self) -> list[Sequence]:
         """docs/STEP.md: launch step N+1's forward; sample it at once unless a sampler is
-        constrained; read back step N; then the constrained samplers' masks (which need N's
-        tokens) and step N+1's sampling."""
+        constrained or penalized; read back step N; then the constrained samplers' masks (which need
+        N's tokens) and step N+1's sampling (whose penalties need them too)."""
         batch = self.scheduler.schedule()
         runner = self.runner
         logits = launched = None
@@ -274,10 +274,10 @@ class LLMEngine:
                 self.workers.send(inputs)  # the other ranks run the same step
             previous = self.in_flight.tokens if self.in_flight is not None else None
             logits = runner.launch_forward(inputs, previous, runner.logits_dtype(samplers, scored))
-            if not any(seq.structured is not None for seq in samplers):
+            if not any(seq.structured is not None or seq.params.penalized for seq in samplers):
                 launched = self._sample(logits, samplers, scored, from_shards=bool(inputs.sample_from_shards))
         finished = self._read_back(self.in_flight) if self.in_flight is not None else []
-        if logits is not None and launched is None:  # constrained: N's tokens are accepted now
+        if logits is not None and launched is None:  # constrained or penalized: N's tokens are known now
             rows, bitmask, ended = self.structured.fill(samplers)
             for seq in ended:
                 self.finish.end_by_grammar(seq)

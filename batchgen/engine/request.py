@@ -293,7 +293,7 @@ def build_sequence(prepared: PreparedRequest, eos_ids: list[int]) -> Sequence:
         seq.num_top_logprobs, seq.top_logprobs = prepared.top_logprobs, []
     seq.structured = prepared.structured
     seq.plain_sampling = (not prepared.outputs and prepared.top_logprobs is None and seq.structured is None
-                          and not seq.params.truncates and seq.params.min_tokens == 0)
+                          and not seq.params.truncates and not seq.params.penalized and seq.params.min_tokens == 0)
     return seq
 
 

@@ -16,12 +16,26 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.executor.penalties import apply_penalties
 from batchgen.executor.staging import Staging
 from batchgen.kernels.gumbel_argmax import gumbel_argmax, gumbel_max, temperature_scaled
 from batchgen.kernels.token_bitmask import apply_token_bitmask
 
 TOP_RANKS_FIRST = 64  # ranks the CPU path looks at; a row they do not settle is sorted whole
 SORT_ROWS = 256  # rows sorted whole at once (mask_top_k_top_p_sorted)
+
+
+def mask_min_p_(logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """vLLM's min-p, in place: -inf for each token whose probability at the row's temperature is below
+    min_p times the likeliest token's, i.e. whose scaled logit is below the row's largest + log(min_p)
+    (min_p 0: none; greedy rows untouched). Before top-k/top-p, on the whole distribution, as vLLM
+    applies it. SORT_ROWS rows at a time (their temporaries only)."""
+    for start in range(0, logits.shape[0], SORT_ROWS):
+        rows = slice(start, start + SORT_ROWS)
+        scaled = temperature_scaled(logits[rows], temperatures[rows])
+        floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_ps[rows])[:, None]
+        logits[rows].masked_fill_((scaled < floor) & (temperatures[rows] > 0)[:, None], float("-inf"))
+    return logits
 
 
 def mask_top_k_top_p(
@@ -155,6 +169,7 @@ class SamplingBatch:
     banned_rows: torch.Tensor | None = None  # (rows, token ids) masked to -inf: EOS before min_tokens
     banned_ids: torch.Tensor | None = None
     step_offset: int = 0  # the rows' steps are steps + step_offset (kept parameters: no op on the device)
+    min_ps: torch.Tensor | None = None  # [S] fp32 (None: no row has min-p)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,6 +182,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, keep: torch.Tensor | None = 
         if keep is not None:
             keep[: tokens.shape[0]].copy_(tokens)
         return tokens
+    if sb.min_ps is not None:
+        logits = mask_min_p_(logits, sb.temperatures, sb.min_ps)
     if sb.use_top_k_top_p:
         logits = mask_top_k_top_p(logits, sb.temperatures, sb.top_ks, sb.top_ps)
     return gumbel_argmax(logits, sb.temperatures, sb.seeds, sb.steps, sb.step_offset, keep)
@@ -189,6 +206,7 @@ def samples_from_shards(tp_size: int, samplers: list, scored: list) -> bool:
         return False
     return all(
         s.structured is None and s.logprobs is None and s.num_top_logprobs == 0 and not s.params.truncates
+        and not s.params.penalized
         # min_tokens bans stop ids until then; a sequence only gains tokens before its sampling
         and not (s.num_generated < s.params.min_tokens and s.stop_ids)
         for s in samplers
@@ -258,11 +276,12 @@ class Sampler:
             [[p.top_k if p.top_k > 0 else self.vocab_size for p in params], [p.seed or 0 for p in params], generated],
             torch.int64,
         )
-        temperatures, top_ps = self._stage([[p.temperature for p in params], [p.top_p for p in params]], torch.float32)
+        temperatures, top_ps, min_ps = self._stage(
+            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]], torch.float32)
         batch = SamplingBatch(
             temperatures=temperatures, top_ks=top_ks, top_ps=top_ps, seeds=seeds, steps=steps, all_greedy=False,
-            use_top_k_top_p=any(p.truncates for p in params),
-            banned_rows=banned[0], banned_ids=banned[1],
+            use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            banned_rows=banned[0], banned_ids=banned[1], min_ps=min_ps if any(p.min_p > 0 for p in params) else None,
         )
         self._kept = None if banned_rows else KeptSampling(list(seqs), generated, batch)
         return batch
@@ -290,6 +309,7 @@ class Sampler:
                 if logits.is_cuda:
                     bitmask = bitmask.to(logits.device, non_blocking=True)
                 apply_token_bitmask(logits, bitmask, self._tensor(rows, torch.int64))
+            apply_penalties(logits, samplers, self._stage)  # (penalized samplers' tokens are all read back)
             if from_shards:  # (nothing above applies: samples_from_shards)
                 parameters = sampling_parameters(self.parameters(samplers), num_sampled, logits.device)
                 tokens = tokens_from_shards(self.tp, logits, self.tp.broadcast(parameters), self.lm_head_start)

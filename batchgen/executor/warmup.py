@@ -106,6 +106,7 @@ def warm_sampling(logits: torch.Tensor) -> None:
         temperatures=torch.full((num_rows,), 0.7, **dev), top_ks=torch.full((num_rows,), 50, **dev),
         top_ps=torch.full((num_rows,), 0.9, **dev), seeds=torch.arange(num_rows, **dev),
         steps=torch.zeros(num_rows, dtype=torch.int64, **dev), all_greedy=False, use_top_k_top_p=True,
+        min_ps=torch.full((num_rows,), 0.05, **dev),
     ))
     gumbel_max(logits, torch.full((num_rows,), 0.7, **dev), torch.arange(num_rows, **dev),
                torch.zeros(num_rows, dtype=torch.int64, **dev), 0)  # (a shard's: executor/sampling.py)

@@ -1,8 +1,8 @@
 """A model's own sampling defaults: the fields of its generation_config.json that batchgen has.
 
-As vLLM's `--generation-config auto`: temperature, top_p, top_k, and max_new_tokens (as max_tokens).
-Other fields (do_sample, repetition_penalty, min_p, max_length, ...) are not read: batchgen has no
-such sampling option, and vLLM, whose behaviour users expect, does not read do_sample either.
+As vLLM's `--generation-config auto`: temperature, top_p, top_k, min_p, repetition_penalty, and
+max_new_tokens (as max_tokens). Other fields (do_sample, max_length, ...) are not read: vLLM, whose
+behaviour users expect, does not read them either.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ FIELDS = {
     "temperature": ("temperature", as_float),
     "top_p": ("top_p", as_float),
     "top_k": ("top_k", as_int),
+    "min_p": ("min_p", as_float),
+    "repetition_penalty": ("repetition_penalty", as_float),
 }
 
 

@@ -1,0 +1,55 @@
+"""vLLM's sampling penalties, applied in place to a step's logits before sampling. For row i with
+prompt tokens P and output tokens O (c(t): t's count in O):
+
+    repetition (r != 1), t in P or O:   logit = logit / r if logit > 0 else logit * r
+    frequency f, presence p, t in O:    logit -= f * c(t) + p
+
+then temperature, min-p, top-k/top-p and the draw as without them. A row's penalties depend on its own
+tokens only (never on the batch's others): sparse (row, token) keys, no [rows, V] tensor.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def apply_penalties(logits: torch.Tensor, samplers: list, to_device) -> None:
+    """logits [S', V] fp32, rows 0.. the samplers' (each with params, token_ids and num_prompt, its
+    tokens all known on the host); to_device(arrays, dtype) -> device tensors (the step's staging)."""
+    rows = [i for i, s in enumerate(samplers) if s.params.penalized]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    repeats, outputs = [], []
+    for i in rows:
+        seq = samplers[i]
+        tokens = np.asarray(seq.token_ids, dtype=np.int64)
+        if seq.params.repetition_penalty != 1.0:
+            repeats.append(i * vocab + tokens)
+        if seq.params.frequency_penalty != 0.0 or seq.params.presence_penalty != 0.0:
+            outputs.append(i * vocab + tokens[seq.num_prompt:])
+    per_row = [[s.params.repetition_penalty for s in samplers], [s.params.frequency_penalty for s in samplers],
+               [s.params.presence_penalty for s in samplers]]
+    repetition, frequency, presence = to_device(per_row, torch.float32)
+    none = np.zeros(0, np.int64)
+    keys = to_device([torch.from_numpy(np.concatenate(parts or [none])) for parts in (repeats, outputs)], torch.int64)
+    if repeats:
+        seen = torch.unique(keys[0])  # (a token once, however often it occurs)
+        row, token = seen // vocab, seen % vocab
+        values, r = logits[row, token], repetition[row]
+        logits[row, token] = torch.where(values > 0, values / r, values * r)
+    if outputs:
+        seen, counts = torch.unique(keys[1], return_counts=True)
+        row, token = seen // vocab, seen % vocab
+        logits[row, token] -= frequency[row] * counts + presence[row]
+
+
+def penalties_reference(logits: torch.Tensor, prompt: list[int], output: list[int], repetition: float,
+                        frequency: float, presence: float) -> torch.Tensor:
+    """The definition for one row's logits [V], in fp32, token by token (tests)."""
+    out = logits.float().clone()
+    for t in set(prompt) | set(output):
+        out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
+    for t in set(output):
+        out[t] -= frequency * output.count(t) + presence
+    return out
