@@ -39,6 +39,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
     seed: int | None = None  # None: derived from the job seed and the request id
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -74,6 +76,7 @@ class SamplingParams:
     def _normalize(self) -> None:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = self.logit_bias or None  # ({}: none)
         if self.top_k == 0:
             self.top_k = -1
         if 0.0 < self.temperature < MIN_TEMPERATURE:
@@ -119,6 +122,11 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether allowed_token_ids or logit_bias changes the logits before sampling."""
+        return bool(self.allowed_token_ids) or bool(self.logit_bias)
+
+    @property
     def penalized(self) -> bool:
         """Whether a penalty changes the logits (they then depend on the sequence's tokens so far)."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
@@ -138,7 +146,7 @@ class SamplingParams:
 # Temperatures below this sample greedily (vLLM's rule): logits / 1e-40 overflow fp32, and the noise of a
 # Gumbel draw is nothing beside logits / 1e-5 anyway
 MIN_TEMPERATURE = 1e-5
-_NONE_ALLOWED = ("seed", "stop", "stop_token_ids")  # the sampling fields that may be None
+_NONE_ALLOWED = ("seed", "stop", "stop_token_ids", "logit_bias", "allowed_token_ids")  # the fields that may be None
 _KINDS = {**dict.fromkeys(INT_FIELDS, "an integer"), **dict.fromkeys(FLOAT_FIELDS, "a number"),
           "ignore_eos": "true or false"}  # what the others must be, in check_options' words
 # values of these exact types need no check of their type (a row's seed, say, as the engine replaces it per row)

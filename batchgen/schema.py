@@ -16,8 +16,8 @@ INPUT_FORMATS = ("auto", "openai", "batchgen")  # auto: openai where the first J
 OUTPUT_FORMATS = ("auto", "parquet", "openai")  # auto: openai for an OUTPUT named *.jsonl, else parquet
 PENALTY_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty")  # vLLM's and OpenAI's
 SAMPLING_FIELDS = (
-    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", *PENALTY_FIELDS, "seed", "stop",
-    "stop_token_ids", "ignore_eos", "n",
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", *PENALTY_FIELDS, "logit_bias",
+    "allowed_token_ids", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
 )
 LOGPROB_OPTIONS = ("logprobs", "prompt_logprobs")  # opt-in booleans: return log-probabilities
 # opt-in output columns, each named after the row field that asks for it (top_logprobs: k, 0-20)
@@ -29,7 +29,7 @@ SAMPLES_KEY = "__batchgen_samples__"
 # vLLM's and OpenAI's sampling fields that batchgen does not do: a row may give them at their default only
 # (an error row otherwise, rather than a column carried through while the row samples without them)
 DEFAULT_ONLY_FIELDS: dict[str, tuple] = {
-    "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
+    "bad_words": ([],), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
 }
 KNOWN_FIELDS = (  # the rest is carried through
@@ -126,6 +126,30 @@ def as_float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise FieldError(f"{name} must be a number, got {type_name(value)}")
     return float(value)
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
+
+
+def as_logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's and vLLM's logit_bias: an object of token id (an integer, or its decimal text as JSON keys
+    are) -> bias in [-100, 100] -> {token id: bias}."""
+    if not isinstance(value, dict):
+        raise FieldError(f"logit_bias must be an object of token id: bias, got {type_name(value)}")
+    bias = {}
+    for key, b in value.items():
+        token = key
+        if isinstance(key, str):
+            token = int(key) if key.isascii() and key.isdigit() else None
+        if type(token) is not int:
+            shown = repr(key) if len(repr(key)) <= 22 else repr(key)[:19] + "..."
+            raise FieldError(f"logit_bias key {shown} is not a token id (a non-negative integer)")
+        check_range(f"logit_bias key {token}", token, "token_id")
+        b = as_float(f"logit_bias[{key!r}]", b)
+        if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise FieldError(f"logit_bias[{key!r}] must be in [-100, 100], got {b}")
+        bias[token] = b
+    return bias
 
 
 def as_int_list(name: str, value: Any) -> list[int]:
@@ -253,6 +277,14 @@ def check_options_and_constraint(row: dict) -> tuple[dict, StructuredSpec | None
         ids = fields["stop_token_ids"] = as_int_list("stop_token_ids", row["stop_token_ids"])
         for i, t in enumerate(ids):
             check_range(f"stop_token_ids[{i}]", t, "token_id")
+    if row.get("allowed_token_ids") is not None:
+        ids = fields["allowed_token_ids"] = as_int_list("allowed_token_ids", row["allowed_token_ids"])
+        if not ids:
+            raise FieldError("allowed_token_ids is empty: give at least one token id, or leave it out")
+        for i, t in enumerate(ids):
+            check_range(f"allowed_token_ids[{i}]", t, "token_id")
+    if row.get("logit_bias") is not None:
+        fields["logit_bias"] = as_logit_bias(row["logit_bias"])
     for name in BOOL_FIELDS:
         if row.get(name) is not None:
             if not isinstance(row[name], bool):

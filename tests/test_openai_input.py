@@ -51,12 +51,13 @@ def test_a_chat_line_maps_to_a_messages_row_with_its_sampling_fields():
     row = request(chat("q1", model="smol", max_completion_tokens=7, temperature=0.5, top_p=0.9, seed=3,
                        stop="\n", top_k=20, min_tokens=1, ignore_eos=False, stop_token_ids=[2], logprobs=True,
                        n=1, stream=False, user="u-1", frequency_penalty=0.5, presence_penalty=0.0, metadata={"a": "b"},
-                       repetition_penalty=1.1, min_p=0.05, response_format={"type": "text"}))
+                       repetition_penalty=1.1, min_p=0.05, logit_bias={"50": -1}, response_format={"type": "text"}))
     expected = {
         "id": "q1", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7, "temperature": 0.5,
         "top_p": 0.9, "seed": 3, "stop": ["\n"], "top_k": 20, "min_tokens": 1, "ignore_eos": False,
         "stop_token_ids": [2], "logprobs": True, "url": CHAT_URL, "model": "smol", ROW_KEY: 0,
         "frequency_penalty": 0.5, "presence_penalty": 0.0, "repetition_penalty": 1.1, "min_p": 0.05,
+        "logit_bias": {50: -1.0},
         "n": 1,  # n given: it beats the job's --n
         "response_format": {"type": "text"},  # kept: it opts the line out of a job-wide --response-format
     }
@@ -127,7 +128,7 @@ def test_n_response_format_and_structured_outputs_pass_through():
     (completion(max_completion_tokens=4), "unknown body field max_completion_tokens for /v1/completions"),
     (chat(stream=True), "body.stream: true is not supported in a batch file"),
     (chat(frequency_penalty="x"), "frequency_penalty must be a number, got str"),
-    (chat(logit_bias={"50": 1}), "body.logit_bias"),
+    (chat(logit_bias={"50": 101}), "logit_bias['50'] must be in [-100, 100], got 101.0"),
     (chat(tools=[{"type": "function"}]), "body.tools"),
     (completion(echo=True), "body.echo true is not supported"),
     (chat(stream=0), "body.stream 0 is not supported"),

@@ -125,6 +125,10 @@ class RequestPreparer:
             for i, t in enumerate(params.stop_token_ids):  # the row's own, or the job's
                 if not 0 <= t < self.vocab_size:
                     raise RequestError(f"stop_token_ids[{i}] is {t}, outside the vocabulary [0, {self.vocab_size})")
+            for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+                bad = next((t for t in ids or () if not t < self.vocab_size), None)  # (the schema checked t >= 0)
+                if bad is not None:
+                    raise RequestError(f"{name} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
             (field, value), = prompt.items()
             if field == "prompt":
                 self._check_length("prompt", len(value))
@@ -293,7 +297,8 @@ def build_sequence(prepared: PreparedRequest, eos_ids: list[int]) -> Sequence:
         seq.num_top_logprobs, seq.top_logprobs = prepared.top_logprobs, []
     seq.structured = prepared.structured
     seq.plain_sampling = (not prepared.outputs and prepared.top_logprobs is None and seq.structured is None
-                          and not seq.params.truncates and not seq.params.penalized and seq.params.min_tokens == 0)
+                          and not seq.params.truncates and not seq.params.penalized and not seq.params.adjusts_logits
+                          and seq.params.min_tokens == 0)
     return seq
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.executor.penalties import apply_penalties
+from batchgen.executor.logits_processors import apply_allowed_and_bias, apply_penalties
 from batchgen.executor.staging import Staging
 from batchgen.kernels.gumbel_argmax import gumbel_argmax, gumbel_max, temperature_scaled
 from batchgen.kernels.token_bitmask import apply_token_bitmask
@@ -206,7 +206,7 @@ def samples_from_shards(tp_size: int, samplers: list, scored: list) -> bool:
         return False
     return all(
         s.structured is None and s.logprobs is None and s.num_top_logprobs == 0 and not s.params.truncates
-        and not s.params.penalized
+        and not s.params.penalized and not s.params.adjusts_logits
         # min_tokens bans stop ids until then; a sequence only gains tokens before its sampling
         and not (s.num_generated < s.params.min_tokens and s.stop_ids)
         for s in samplers
@@ -309,6 +309,7 @@ class Sampler:
                 if logits.is_cuda:
                     bitmask = bitmask.to(logits.device, non_blocking=True)
                 apply_token_bitmask(logits, bitmask, self._tensor(rows, torch.int64))
+            apply_allowed_and_bias(logits, samplers, self._stage)
             apply_penalties(logits, samplers, self._stage)  # (penalized samplers' tokens are all read back)
             if from_shards:  # (nothing above applies: samples_from_shards)
                 parameters = sampling_parameters(self.parameters(samplers), num_sampled, logits.device)

@@ -38,7 +38,7 @@ LINE_FIELDS = ("custom_id", "method", "url", "body")
 
 # Body fields copied to the row field of the same name (the native checks type-check them).
 PASSED_FIELDS = ("temperature", "top_p", "stop", "seed", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "min_p",
-                 "frequency_penalty", "presence_penalty", "repetition_penalty")
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids")
 # Body fields read by the mapping itself, per endpoint.
 CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs",
                "response_format", "structured_outputs")
@@ -49,7 +49,6 @@ COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "n", "logprobs", "best_of"
 DEFAULT_ONLY: dict[str, tuple] = {
     "stream": (False,),
     "stream_options": (),
-    "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),  # meaningless without tools

@@ -1,13 +1,18 @@
-"""min-p and the repetition, frequency and presence penalties: the device ops against their definitions, and
-end to end against HF transformers' generate() (repetition) or a greedy loop over HF's logits (frequency,
-presence), each row alone or beside unpenalized rows."""
+"""A row's own logit changes (allowed_token_ids, logit_bias, the repetition, frequency and presence penalties)
+and min-p: the device ops against their definitions, and end to end against HF transformers' generate()
+(repetition) or a greedy loop over HF's logits (frequency, presence), each row alone or beside plain rows."""
 import random
 
 import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.executor.penalties import apply_penalties, penalties_reference
+from batchgen.executor.logits_processors import (
+    allowed_and_bias_reference,
+    apply_allowed_and_bias,
+    apply_penalties,
+    penalties_reference,
+)
 from batchgen.executor.sampling import mask_min_p_
 from tests.tiny_models import VOCAB, load_hf
 
@@ -43,6 +48,21 @@ def test_penalties_match_their_definition_row_by_row():
                                    p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
         torch.testing.assert_close(got[i], want, atol=1e-6, rtol=1e-6)
     assert torch.equal(got[1], logits[1])
+
+
+def test_allowed_tokens_and_logit_bias_match_their_definition():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 30) * 3
+    rows = [Row(SamplingParams(allowed_token_ids=[3, 29, 3], logit_bias={"3": 5.5, 7: -100}), [1], 1),
+            Row(SamplingParams(), [2], 1),
+            Row(SamplingParams(logit_bias={0: 100, 29: -0.25}), [], 0),
+            Row(SamplingParams(allowed_token_ids=[11]), [4, 4], 1)]
+    got = logits.clone()
+    apply_allowed_and_bias(got, rows, on_cpu)
+    for i, row in enumerate(rows):
+        want = allowed_and_bias_reference(logits[i], row.params.allowed_token_ids, row.params.logit_bias)
+        torch.testing.assert_close(got[i], want, atol=0, rtol=0)
+    assert torch.isfinite(got[0]).sum() == 2 and torch.equal(got[1], logits[1])
 
 
 def test_min_p_keeps_the_tokens_within_min_p_of_the_likeliest():
@@ -139,7 +159,33 @@ def test_min_p_of_one_samples_the_likeliest_token(llama):
     assert [r["output_token_ids"] for r in free] != [r["output_token_ids"] for r in greedy]
 
 
+def test_allowed_token_ids_and_logit_bias_steer_greedy_and_sampled_rows(llama):
+    llm = LLM(str(llama), dtype="float32")
+    prompt = prompts()[0]
+    plain = llm.generate_list([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                            ignore_eos=True))[0]["output_token_ids"]
+    first = plain[0]
+    requests = [
+        {"prompt_token_ids": prompt, "allowed_token_ids": [5, 9, 200]},
+        {"prompt_token_ids": prompt, "allowed_token_ids": [5, 9, 200], "temperature": 1.0, "seed": 3},
+        {"prompt_token_ids": prompt, "logit_bias": {"42": 100}},  # OpenAI's form: JSON keys are text
+        {"prompt_token_ids": prompt, "logit_bias": {first: -100}},
+        {"prompt_token_ids": prompt},  # a plain row beside them keeps its tokens
+    ]
+    results = llm.generate_list(requests, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    out = [r["output_token_ids"] for r in results]
+    assert set(out[0]) <= {5, 9, 200} and set(out[1]) <= {5, 9, 200}
+    assert out[2] == [42] * MAX_TOKENS
+    assert out[3][0] != first and first not in out[3]
+    assert out[4] == plain
+
+
 @pytest.mark.parametrize("field, value, message", [
+    ("logit_bias", {"7": -101}, "logit_bias['7'] must be in [-100, 100], got -101.0"),
+    ("logit_bias", {"a": 1}, "logit_bias key 'a' is not a token id"),
+    ("logit_bias", {str(VOCAB + 5): 1}, f"logit_bias holds token id {VOCAB + 5}, outside the vocabulary"),
+    ("allowed_token_ids", [], "allowed_token_ids is empty"),
+    ("allowed_token_ids", [1, VOCAB], f"allowed_token_ids holds token id {VOCAB}, outside the vocabulary"),
     ("min_p", 1.5, "min_p must be in [0, 1], got 1.5"),
     ("repetition_penalty", 0, "repetition_penalty must be in (0, 2], got 0"),
     ("frequency_penalty", 2.5, "frequency_penalty must be in [-2, 2], got 2.5"),

@@ -1,16 +1,36 @@
-"""vLLM's sampling penalties, applied in place to a step's logits before sampling. For row i with
-prompt tokens P and output tokens O (c(t): t's count in O):
+"""A row's own changes to its logits before sampling, in vLLM's order, in place on a step's logits:
 
+    allowed_token_ids A:                -inf for every token not in A
+    logit_bias B:                       logit += B[t] for each t in B
     repetition (r != 1), t in P or O:   logit = logit / r if logit > 0 else logit * r
     frequency f, presence p, t in O:    logit -= f * c(t) + p
 
-then temperature, min-p, top-k/top-p and the draw as without them. A row's penalties depend on its own
-tokens only (never on the batch's others): sparse (row, token) keys, no [rows, V] tensor.
+(P, O: the row's prompt and output tokens so far, c(t): t's count in O), then temperature, min-p, top-k/top-p
+and the draw as without them. Each depends on the row's own fields and tokens only (never on the batch's
+others): sparse (row, token) indices, no [rows, V] tensor.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+
+def apply_allowed_and_bias(logits: torch.Tensor, samplers: list, to_device) -> None:
+    """allowed_token_ids and logit_bias of the samplers that have them; logits [S', V] fp32, rows 0.. the
+    samplers'; to_device(arrays, dtype) -> device tensors (the step's staging)."""
+    allowed = [(i, s.params.allowed_token_ids) for i, s in enumerate(samplers) if s.params.allowed_token_ids]
+    biased = [(i, s.params.logit_bias) for i, s in enumerate(samplers) if s.params.logit_bias]
+    if allowed:
+        rows, tokens = to_device([[i for i, ids in allowed for _ in ids], [t for _, ids in allowed for t in ids]],
+                                 torch.int64)
+        kept = logits[rows, tokens]
+        logits[rows.unique()] = float("-inf")
+        logits[rows, tokens] = kept
+    if biased:
+        rows, tokens = to_device([[i for i, bias in biased for _ in bias], [t for _, bias in biased for t in bias]],
+                                 torch.int64)
+        (bias,) = to_device([[b for _, bias in biased for b in bias.values()]], torch.float32)
+        logits.index_put_((rows, tokens), bias, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, samplers: list, to_device) -> None:
@@ -42,6 +62,17 @@ def apply_penalties(logits: torch.Tensor, samplers: list, to_device) -> None:
         seen, counts = torch.unique(keys[1], return_counts=True)
         row, token = seen // vocab, seen % vocab
         logits[row, token] -= frequency[row] * counts + presence[row]
+
+
+def allowed_and_bias_reference(logits: torch.Tensor, allowed: list[int] | None,
+                                bias: dict[int, float] | None) -> torch.Tensor:
+    """The definition for one row's logits [V], in fp32 (tests)."""
+    out = logits.float().clone()
+    if allowed:
+        out[[t for t in range(out.shape[0]) if t not in set(allowed)]] = float("-inf")
+    for t, b in (bias or {}).items():
+        out[t] += b
+    return out
 
 
 def penalties_reference(logits: torch.Tensor, prompt: list[int], output: list[int], repetition: float,
