@@ -14,6 +14,7 @@ from batchgen.schema import (
     MAX_N,
     SAMPLING_FIELDS,
     STRUCTURED_FIELDS,
+    TEXT_OPTIONS,
     FieldError,
     StructuredSpec,
     as_int,
@@ -41,6 +42,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled
+    truncate_prompt_tokens: int | None = None  # a longer prompt keeps its last this many tokens
+    include_stop_str_in_output: bool = False  # the text keeps the stop string (or stop token) that ended it
+    skip_special_tokens: bool = True  # the text leaves the special tokens out
     seed: int | None = None  # None: derived from the job seed and the request id
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -103,6 +107,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         check_range("top_k", self.top_k)
         check_range("n", self.n)
+        if self.truncate_prompt_tokens is not None:
+            check_range("truncate_prompt_tokens", self.truncate_prompt_tokens)
         if self.seed is not None:
             check_range("seed", self.seed)
         if any(not s for s in self.stop):
@@ -146,11 +152,13 @@ class SamplingParams:
 # Temperatures below this sample greedily (vLLM's rule): logits / 1e-40 overflow fp32, and the noise of a
 # Gumbel draw is nothing beside logits / 1e-5 anyway
 MIN_TEMPERATURE = 1e-5
-_NONE_ALLOWED = ("seed", "stop", "stop_token_ids", "logit_bias", "allowed_token_ids")  # the fields that may be None
+_NONE_ALLOWED = ("seed", "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens")
+# what the others must be, in check_options' words
 _KINDS = {**dict.fromkeys(INT_FIELDS, "an integer"), **dict.fromkeys(FLOAT_FIELDS, "a number"),
-          "ignore_eos": "true or false"}  # what the others must be, in check_options' words
+          **dict.fromkeys(("ignore_eos", *TEXT_OPTIONS), "true or false")}
 # values of these exact types need no check of their type (a row's seed, say, as the engine replaces it per row)
-_EXACT = {**dict.fromkeys(INT_FIELDS, int), **dict.fromkeys(FLOAT_FIELDS, float), "ignore_eos": bool}
+_EXACT = {**dict.fromkeys(INT_FIELDS, int), **dict.fromkeys(FLOAT_FIELDS, float),
+          **dict.fromkeys(("ignore_eos", *TEXT_OPTIONS), bool)}
 # the fields replace() may change without checking the constraint again
 _CARRY_CONSTRAINT = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - set(STRUCTURED_FIELDS)
 

@@ -17,7 +17,8 @@ OUTPUT_FORMATS = ("auto", "parquet", "openai")  # auto: openai for an OUTPUT nam
 PENALTY_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty")  # vLLM's and OpenAI's
 SAMPLING_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", *PENALTY_FIELDS, "logit_bias",
-    "allowed_token_ids", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
+    "allowed_token_ids", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "truncate_prompt_tokens",
+    "include_stop_str_in_output", "skip_special_tokens",
 )
 LOGPROB_OPTIONS = ("logprobs", "prompt_logprobs")  # opt-in booleans: return log-probabilities
 # opt-in output columns, each named after the row field that asks for it (top_logprobs: k, 0-20)
@@ -29,16 +30,16 @@ SAMPLES_KEY = "__batchgen_samples__"
 # vLLM's and OpenAI's sampling fields that batchgen does not do: a row may give them at their default only
 # (an error row otherwise, rather than a column carried through while the row samples without them)
 DEFAULT_ONLY_FIELDS: dict[str, tuple] = {
-    "bad_words": ([],), "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "bad_words": ([],), "spaces_between_special_tokens": (True,),
 }
 KNOWN_FIELDS = (  # the rest is carried through
     "id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *OUTPUT_OPTIONS, *STRUCTURED_FIELDS, SAMPLES_KEY,
 )
 METRIC_FIELDS = ("queue_s", "ttft_s", "prefill_s", "decode_s", "e2e_s", "decode_tokens_per_s")
-INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "n")
+INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "n", "truncate_prompt_tokens")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", *PENALTY_FIELDS)
-BOOL_FIELDS = ("ignore_eos", *LOGPROB_OPTIONS)
+TEXT_OPTIONS = ("include_stop_str_in_output", "skip_special_tokens")  # vLLM's: how the output text is made
+BOOL_FIELDS = ("ignore_eos", *TEXT_OPTIONS, *LOGPROB_OPTIONS)
 MAX_TOP_LOGPROBS = 20
 MAX_N = 1024  # samples of one prompt: each is a sequence of its own, built when the row is read
 INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -(2**63), 2**63 - 1
@@ -51,6 +52,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "top_k": (-1, INT32_MAX),  # -1 or 0: off; past the vocabulary: the whole vocabulary
     "seed": (0, INT64_MAX),
     "n": (1, MAX_N),
+    "truncate_prompt_tokens": (1, INT32_MAX),  # keep the prompt's last this many tokens
     "top_logprobs": (0, MAX_TOP_LOGPROBS),
     "token_id": (0, INT32_MAX),  # each stop_token_id (then the engine's vocabulary, as for prompt_token_ids)
     "id": (INT64_MIN, INT64_MAX),  # an integer id: an int64 column

@@ -130,9 +130,9 @@ def test_id_set():
 
 
 @pytest.mark.parametrize("field, value, ok", [
-    ("include_stop_str_in_output", True, False), ("include_stop_str_in_output", False, True),
-    ("include_stop_str_in_output", None, True), ("skip_special_tokens", False, False),
-    ("skip_special_tokens", 1, False), ("bad_words", ["x"], False), ("truncate_prompt_tokens", 8, False),
+    ("bad_words", ["x"], False), ("bad_words", [], True), ("bad_words", None, True),
+    ("spaces_between_special_tokens", False, False), ("spaces_between_special_tokens", True, True),
+    ("spaces_between_special_tokens", 0, False),
 ])
 def test_vllm_fields_batchgen_does_not_do_are_error_rows_unless_at_their_default(field, value, ok):
     """Not carried through as a column while the row samples without them."""

@@ -44,15 +44,17 @@ class FinishRules:
         params = seq.params
         num_out = len(seq.token_ids) - seq.num_prompt  # known on the host (pending ones not counted)
         if token in seq.stop_ids and num_out >= params.min_tokens:
-            seq.finish_reason, seq.text_tokens = "stop", num_out - 1  # the text leaves out the stop token
+            # the text leaves out the stop token unless asked to keep it
+            seq.finish_reason, seq.text_tokens = "stop", num_out - (not params.include_stop_str_in_output)
             return True
         if params.stop and num_out >= params.min_tokens and (
             num_out == params.min_tokens or self._stop_in_tail(seq)
         ):  # the whole text only when it may hold a stop string: it is decoded once, not every step
-            text = self.decode(seq.output_ids)
-            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.finish_reason, seq.text = "stop", text[:cut]
+            text = self.decode(seq.output_ids, params.skip_special_tokens)
+            cut, stop = min(((i, s) for s in params.stop if (i := text.find(s)) >= 0), default=(-1, ""))
+            if cut >= 0:  # (the earliest stop string; of those found at one place, the first given)
+                seq.finish_reason = "stop"
+                seq.text = text[: cut + len(stop)] if params.include_stop_str_in_output else text[:cut]
                 return True
         if num_out >= params.max_tokens:
             seq.finish_reason, seq.text_tokens = "length", num_out
@@ -65,20 +67,22 @@ class FinishRules:
         character takes at most 4 byte tokens); 8 more keep the tail's first token, whose decoding
         may differ from its decoding in context (a dropped leading space), clear of it."""
         window = 4 * max(len(s) for s in seq.params.stop) + 8
-        tail = self.decode(seq.token_ids[max(seq.num_prompt, len(seq.token_ids) - window) :])
+        tail = self.decode(seq.token_ids[max(seq.num_prompt, len(seq.token_ids) - window) :],
+                           seq.params.skip_special_tokens)
         return any(s in tail for s in seq.params.stop)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def decode_texts(self, seqs: list[Sequence]) -> list[Sequence]:
         """Fill in the text of finished sequences that have none yet (those that ended by a stop string
         have theirs), in one batched call; any thread may run it. -> seqs"""
-        todo = [seq for seq in seqs if seq.text is None]
-        if todo:
-            ids = [seq.token_ids[seq.num_prompt : seq.num_prompt + seq.text_tokens] for seq in todo]
-            for seq, text in zip(todo, self.tokenizer.batch_decode(ids, skip_special_tokens=True)):
-                seq.text = text
+        for skip in (True, False):  # (one batched call for each way of decoding)
+            todo = [seq for seq in seqs if seq.text is None and seq.params.skip_special_tokens is skip]
+            if todo:
+                ids = [seq.token_ids[seq.num_prompt : seq.num_prompt + seq.text_tokens] for seq in todo]
+                for seq, text in zip(todo, self.tokenizer.batch_decode(ids, skip_special_tokens=skip)):
+                    seq.text = text
         return seqs
 
 

@@ -146,6 +146,9 @@ class RequestPreparer:
     def _finish(self, row: dict, c: _Checked) -> PreparedRequest | RequestError:
         if not c.ids:
             return RequestError(f"{c.field} tokenizes to no tokens")
+        keep = c.params.truncate_prompt_tokens
+        if keep is not None and len(c.ids) > keep:  # (vLLM's: the prompt's end is what the output follows)
+            c.ids = c.ids[-keep:]
         if len(c.ids) + c.params.max_tokens > self.max_len:
             return RequestError(
                 f"prompt ({len(c.ids)} tokens) + max_tokens ({c.params.max_tokens}) exceeds the limit of "
