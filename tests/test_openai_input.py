@@ -51,13 +51,14 @@ def test_a_chat_line_maps_to_a_messages_row_with_its_sampling_fields():
     row = request(chat("q1", model="smol", max_completion_tokens=7, temperature=0.5, top_p=0.9, seed=3,
                        stop="\n", top_k=20, min_tokens=1, ignore_eos=False, stop_token_ids=[2], logprobs=True,
                        n=1, stream=False, user="u-1", frequency_penalty=0.5, presence_penalty=0.0, metadata={"a": "b"},
-                       repetition_penalty=1.1, min_p=0.05, logit_bias={"50": -1}, response_format={"type": "text"}))
+                       repetition_penalty=1.1, min_p=0.05, logit_bias={"50": -1}, skip_special_tokens=False,
+                       response_format={"type": "text"}))
     expected = {
         "id": "q1", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7, "temperature": 0.5,
         "top_p": 0.9, "seed": 3, "stop": ["\n"], "top_k": 20, "min_tokens": 1, "ignore_eos": False,
         "stop_token_ids": [2], "logprobs": True, "url": CHAT_URL, "model": "smol", ROW_KEY: 0,
         "frequency_penalty": 0.5, "presence_penalty": 0.0, "repetition_penalty": 1.1, "min_p": 0.05,
-        "logit_bias": {50: -1.0},
+        "logit_bias": {50: -1.0}, "skip_special_tokens": False,
         "n": 1,  # n given: it beats the job's --n
         "response_format": {"type": "text"},  # kept: it opts the line out of a job-wide --response-format
     }
