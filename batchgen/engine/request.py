@@ -216,6 +216,7 @@ class Sequence:
         self.params = params
         self.num_prompt = len(prompt_ids)
         self.token_ids = list(prompt_ids)
+        self.token_array = None  # token_ids as numpy, for its penalties (executor/logits_processors.py)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.status = Status.WAITING
         self.num_computed = 0

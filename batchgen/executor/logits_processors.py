@@ -43,7 +43,7 @@ def apply_penalties(logits: torch.Tensor, samplers: list, to_device) -> None:
     repeats, outputs = [], []
     for i in rows:
         seq = samplers[i]
-        tokens = np.asarray(seq.token_ids, dtype=np.int64)
+        tokens = token_array(seq)
         if seq.params.repetition_penalty != 1.0:
             repeats.append(i * vocab + tokens)
         if seq.params.frequency_penalty != 0.0 or seq.params.presence_penalty != 0.0:
@@ -62,6 +62,21 @@ def apply_penalties(logits: torch.Tensor, samplers: list, to_device) -> None:
         seen, counts = torch.unique(keys[1], return_counts=True)
         row, token = seen // vocab, seen % vocab
         logits[row, token] -= frequency[row] * counts + presence[row]
+
+
+def token_array(seq) -> np.ndarray:
+    """seq.token_ids as an int64 array, kept on the sequence (`token_array`: the array, its count) and
+    extended by the tokens added since: a step's penalties convert each row's new tokens only."""
+    count = len(seq.token_ids)
+    array, have = getattr(seq, "token_array", None) or (np.empty(0, np.int64), 0)
+    if have != count:
+        if count > len(array):
+            grown = np.empty(max(2 * len(array), count), np.int64)
+            grown[:have] = array[:have]
+            array = grown
+        array[have:count] = seq.token_ids[have:count]
+        seq.token_array = (array, count)
+    return array[:count]
 
 
 def allowed_and_bias_reference(logits: torch.Tensor, allowed: list[int] | None,
