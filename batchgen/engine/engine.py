@@ -274,7 +274,7 @@ class LLMEngine:
                 self.workers.send(inputs)  # the other ranks run the same step
             previous = self.in_flight.tokens if self.in_flight is not None else None
             logits = runner.launch_forward(inputs, previous, runner.logits_dtype(samplers, scored))
-            if not any(seq.structured is not None or seq.params.penalized for seq in samplers):
+            if not any(seq.samples_late for seq in samplers):
                 launched = self._sample(logits, samplers, scored, from_shards=bool(inputs.sample_from_shards))
         finished = self._read_back(self.in_flight) if self.in_flight is not None else []
         if logits is not None and launched is None:  # constrained or penalized: N's tokens are known now

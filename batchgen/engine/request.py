@@ -255,6 +255,11 @@ class Sequence:
         # its tokens come from a plain sample of the logits alone (argmax or Gumbel-max): set by
         # build_sequence (model_runner.ModelRunner.logits_dtype)
         self.plain_sampling = False
+        # its own logit changes before sampling (executor/logits_processors.py), and whether its sampling
+        # waits for the step before to be read back (a grammar or a penalty needs those tokens): flags set
+        # once by build_sequence, read by every step
+        self.adjusts_logits = params.penalized or params.adjusts_logits
+        self.samples_late = params.penalized
 
     @property
     def num_tokens(self) -> int:
@@ -300,9 +305,9 @@ def build_sequence(prepared: PreparedRequest, eos_ids: list[int]) -> Sequence:
     if prepared.top_logprobs is not None:
         seq.num_top_logprobs, seq.top_logprobs = prepared.top_logprobs, []
     seq.structured = prepared.structured
+    seq.samples_late = seq.samples_late or seq.structured is not None
     seq.plain_sampling = (not prepared.outputs and prepared.top_logprobs is None and seq.structured is None
-                          and not seq.params.truncates and not seq.params.penalized and not seq.params.adjusts_logits
-                          and seq.params.min_tokens == 0)
+                          and not seq.params.truncates and not seq.adjusts_logits and seq.params.min_tokens == 0)
     return seq
 
 

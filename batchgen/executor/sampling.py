@@ -206,7 +206,7 @@ def samples_from_shards(tp_size: int, samplers: list, scored: list) -> bool:
         return False
     return all(
         s.structured is None and s.logprobs is None and s.num_top_logprobs == 0 and not s.params.truncates
-        and not s.params.penalized and not s.params.adjusts_logits
+        and not s.adjusts_logits
         # min_tokens bans stop ids until then; a sequence only gains tokens before its sampling
         and not (s.num_generated < s.params.min_tokens and s.stop_ids)
         for s in samplers
@@ -309,8 +309,9 @@ class Sampler:
                 if logits.is_cuda:
                     bitmask = bitmask.to(logits.device, non_blocking=True)
                 apply_token_bitmask(logits, bitmask, self._tensor(rows, torch.int64))
-            apply_allowed_and_bias(logits, samplers, self._stage)
-            apply_penalties(logits, samplers, self._stage)  # (penalized samplers' tokens are all read back)
+            if any(s.adjusts_logits for s in samplers):  # (penalized samplers' tokens are all read back)
+                apply_allowed_and_bias(logits, samplers, self._stage)
+                apply_penalties(logits, samplers, self._stage)
             if from_shards:  # (nothing above applies: samples_from_shards)
                 parameters = sampling_parameters(self.parameters(samplers), num_sampled, logits.device)
                 tokens = tokens_from_shards(self.tp, logits, self.tp.broadcast(parameters), self.lm_head_start)
