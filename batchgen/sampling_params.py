@@ -42,6 +42,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # none of these may be completed (vLLM's: a word's last token is banned)
     truncate_prompt_tokens: int | None = None  # a longer prompt keeps its last this many tokens
     include_stop_str_in_output: bool = False  # the text keeps the stop string (or stop token) that ended it
     skip_special_tokens: bool = True  # the text leaves the special tokens out
@@ -81,6 +82,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = self.logit_bias or None  # ({}: none)
+        self.bad_words = list(self.bad_words) if self.bad_words else None
         if self.top_k == 0:
             self.top_k = -1
         if 0.0 < self.temperature < MIN_TEMPERATURE:
@@ -137,6 +139,11 @@ class SamplingParams:
         """Whether a penalty changes the logits (they then depend on the sequence's tokens so far)."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether its logit changes depend on the sequence's tokens so far (penalties, bad words)."""
+        return self.penalized or bool(self.bad_words)
+
     def replace(self, **changes) -> SamplingParams:
         if not changes.keys() <= _CARRY_CONSTRAINT:  # a constraint (or an unknown name, TypeError)
             return dataclasses.replace(self, **changes)
@@ -152,7 +159,8 @@ class SamplingParams:
 # Temperatures below this sample greedily (vLLM's rule): logits / 1e-40 overflow fp32, and the noise of a
 # Gumbel draw is nothing beside logits / 1e-5 anyway
 MIN_TEMPERATURE = 1e-5
-_NONE_ALLOWED = ("seed", "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens")
+_NONE_ALLOWED = ("seed", "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words",
+                 "truncate_prompt_tokens")
 # what the others must be, in check_options' words
 _KINDS = {**dict.fromkeys(INT_FIELDS, "an integer"), **dict.fromkeys(FLOAT_FIELDS, "a number"),
           **dict.fromkeys(("ignore_eos", *TEXT_OPTIONS), "true or false")}

@@ -17,7 +17,7 @@ OUTPUT_FORMATS = ("auto", "parquet", "openai")  # auto: openai for an OUTPUT nam
 PENALTY_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty")  # vLLM's and OpenAI's
 SAMPLING_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", *PENALTY_FIELDS, "logit_bias",
-    "allowed_token_ids", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "truncate_prompt_tokens",
+    "allowed_token_ids", "bad_words", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "truncate_prompt_tokens",
     "include_stop_str_in_output", "skip_special_tokens",
 )
 LOGPROB_OPTIONS = ("logprobs", "prompt_logprobs")  # opt-in booleans: return log-probabilities
@@ -30,7 +30,7 @@ SAMPLES_KEY = "__batchgen_samples__"
 # vLLM's and OpenAI's sampling fields that batchgen does not do: a row may give them at their default only
 # (an error row otherwise, rather than a column carried through while the row samples without them)
 DEFAULT_ONLY_FIELDS: dict[str, tuple] = {
-    "bad_words": ([],), "spaces_between_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
 }
 KNOWN_FIELDS = (  # the rest is carried through
     "id", *PROMPT_FIELDS, *SAMPLING_FIELDS, *OUTPUT_OPTIONS, *STRUCTURED_FIELDS, SAMPLES_KEY,
@@ -287,6 +287,16 @@ def check_options_and_constraint(row: dict) -> tuple[dict, StructuredSpec | None
             check_range(f"allowed_token_ids[{i}]", t, "token_id")
     if row.get("logit_bias") is not None:
         fields["logit_bias"] = as_logit_bias(row["logit_bias"])
+    words = row.get("bad_words")
+    if words is not None:
+        if not isinstance(words, (list, tuple)):
+            raise FieldError(f"bad_words must be a list of strings, got {type_name(words)}")
+        for i, w in enumerate(words):
+            if not isinstance(w, str) or not w.strip():
+                got = "a blank string" if isinstance(w, str) else type_name(w)
+                raise FieldError(f"bad_words[{i}] must be a non-blank string, got {got}")
+        check_text("bad_words", list(words))
+        fields["bad_words"] = list(words)
     for name in BOOL_FIELDS:
         if row.get(name) is not None:
             if not isinstance(row[name], bool):

@@ -41,6 +41,7 @@ class PreparedRequest:
     arrival: float  # time.monotonic() when it was ready for the engine
     top_logprobs: int | None = None  # k alternatives per generated token, when asked for
     structured: Any = None  # its decoding constraint (schema.StructuredSpec), its own or the job's
+    bad_words_ids: list[list[int]] | None = None  # params.bad_words tokenized (bad_word_ids)
 
 
 @dataclass
@@ -156,8 +157,22 @@ class RequestPreparer:
             )
         extras = {k: v for k, v in row.items() if k not in KNOWN_FIELDS}
         outputs = tuple(name for name in LOGPROB_OPTIONS if c.options.get(name))
+        bad = bad_word_ids(self.tokenizer, c.params.bad_words) if c.params.bad_words else None
         return PreparedRequest(row.get("id"), c.ids, c.params, extras, outputs, time.monotonic(),
-                               c.options.get("top_logprobs"), c.structured)
+                               c.options.get("top_logprobs"), c.structured, bad)
+
+
+def bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids, as vLLM takes them: the word as given (leading spaces stripped), and with
+    one leading space where that gives another first token in as many tokens (the word inside a text)."""
+    ids = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        ids.append(plain)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            ids.append(spaced)
+    return ids
 
 
 def chat_text(messages: list[dict], tokenizer) -> str:
@@ -217,6 +232,7 @@ class Sequence:
         self.num_prompt = len(prompt_ids)
         self.token_ids = list(prompt_ids)
         self.token_array = None  # token_ids as numpy, for its penalties (executor/logits_processors.py)
+        self.bad_words_ids: list[list[int]] | None = None  # its bad words' token ids (build_sequence)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.status = Status.WAITING
         self.num_computed = 0
@@ -258,8 +274,8 @@ class Sequence:
         # its own logit changes before sampling (executor/logits_processors.py), and whether its sampling
         # waits for the step before to be read back (a grammar or a penalty needs those tokens): flags set
         # once by build_sequence, read by every step
-        self.adjusts_logits = params.penalized or params.adjusts_logits
-        self.samples_late = params.penalized
+        self.adjusts_logits = params.needs_tokens or params.adjusts_logits
+        self.samples_late = params.needs_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -305,6 +321,7 @@ def build_sequence(prepared: PreparedRequest, eos_ids: list[int]) -> Sequence:
     if prepared.top_logprobs is not None:
         seq.num_top_logprobs, seq.top_logprobs = prepared.top_logprobs, []
     seq.structured = prepared.structured
+    seq.bad_words_ids = prepared.bad_words_ids
     seq.samples_late = seq.samples_late or seq.structured is not None
     seq.plain_sampling = (not prepared.outputs and prepared.top_logprobs is None and seq.structured is None
                           and not seq.params.truncates and not seq.adjusts_logits and seq.params.min_tokens == 0)

@@ -2,6 +2,7 @@
 
     allowed_token_ids A:                -inf for every token not in A
     logit_bias B:                       logit += B[t] for each t in B
+    bad_words W (token ids w):          -inf for w's last token where the output ends with w's others
     repetition (r != 1), t in P or O:   logit = logit / r if logit > 0 else logit * r
     frequency f, presence p, t in O:    logit -= f * c(t) + p
 
@@ -31,6 +32,21 @@ def apply_allowed_and_bias(logits: torch.Tensor, samplers: list, to_device) -> N
                                  torch.int64)
         (bias,) = to_device([[b for _, bias in biased for b in bias.values()]], torch.float32)
         logits.index_put_((rows, tokens), bias, accumulate=True)
+
+
+def apply_bad_words(logits: torch.Tensor, samplers: list, to_device) -> None:
+    """vLLM's bad words: each word's last token banned where the row's output ends with the word's other
+    tokens (a one-token word: always). samplers' bad_words_ids: lists of token ids (their tokens known)."""
+    rows, tokens = [], []
+    for i, seq in enumerate(samplers):
+        for word in seq.bad_words_ids or ():
+            before = len(word) - 1
+            if before == 0 or (len(seq.token_ids) - seq.num_prompt >= before and seq.token_ids[-before:] == word[:-1]):
+                rows.append(i)
+                tokens.append(word[-1])
+    if rows:
+        rows, tokens = to_device([rows, tokens], torch.int64)
+        logits[rows, tokens] = float("-inf")
 
 
 def apply_penalties(logits: torch.Tensor, samplers: list, to_device) -> None:

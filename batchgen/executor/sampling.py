@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.executor.logits_processors import apply_allowed_and_bias, apply_penalties
+from batchgen.executor.logits_processors import apply_allowed_and_bias, apply_bad_words, apply_penalties
 from batchgen.executor.staging import Staging
 from batchgen.kernels.gumbel_argmax import gumbel_argmax, gumbel_max, temperature_scaled
 from batchgen.kernels.token_bitmask import apply_token_bitmask
@@ -311,6 +311,7 @@ class Sampler:
                 apply_token_bitmask(logits, bitmask, self._tensor(rows, torch.int64))
             if any(s.adjusts_logits for s in samplers):  # (penalized samplers' tokens are all read back)
                 apply_allowed_and_bias(logits, samplers, self._stage)
+                apply_bad_words(logits, samplers, self._stage)
                 apply_penalties(logits, samplers, self._stage)
             if from_shards:  # (nothing above applies: samples_from_shards)
                 parameters = sampling_parameters(self.parameters(samplers), num_sampled, logits.device)

@@ -37,9 +37,11 @@ URLS = (CHAT_URL, COMPLETIONS_URL)
 LINE_FIELDS = ("custom_id", "method", "url", "body")
 
 # Body fields copied to the row field of the same name (the native checks type-check them).
-PASSED_FIELDS = ("temperature", "top_p", "stop", "seed", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "min_p",
-                 "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
-                 "truncate_prompt_tokens", "include_stop_str_in_output", "skip_special_tokens")
+PASSED_FIELDS = (
+    "temperature", "top_p", "stop", "seed", "top_k", "min_tokens", "ignore_eos", "stop_token_ids", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words",
+    "truncate_prompt_tokens", "include_stop_str_in_output", "skip_special_tokens",
+)
 # Body fields read by the mapping itself, per endpoint.
 CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs",
                "response_format", "structured_outputs")

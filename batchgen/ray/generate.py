@@ -24,7 +24,7 @@ SAMPLING_OPTIONS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f
 class Generate:
     """batchgen's engine as a map_batches stage. `model`: a local HF directory (None: the embedded
     default model); `sampling`: `batchgen run`'s sampling options by name (max_tokens, temperature,
-    top_p, top_k, min_p, the penalties, logit_bias, allowed_token_ids, min_tokens, stop, stop_token_ids,
+    top_p, top_k, min_p, the penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, stop, stop_token_ids,
     ignore_eos, n, seed, response_format, structured_outputs, generation_config); the rest: `LLM`'s engine
     options (EngineConfig's fields).
     A sampling option not given comes from the model's generation_config.json, else batchgen's

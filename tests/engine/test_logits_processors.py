@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
+from batchgen.engine.request import bad_word_ids
 from batchgen.executor.logits_processors import (
     allowed_and_bias_reference,
     apply_allowed_and_bias,
+    apply_bad_words,
     apply_penalties,
     penalties_reference,
 )
@@ -63,6 +65,17 @@ def test_allowed_tokens_and_logit_bias_match_their_definition():
         want = allowed_and_bias_reference(logits[i], row.params.allowed_token_ids, row.params.logit_bias)
         torch.testing.assert_close(got[i], want, atol=0, rtol=0)
     assert torch.isfinite(got[0]).sum() == 2 and torch.equal(got[1], logits[1])
+
+
+def test_a_bad_words_last_token_is_banned_where_the_output_ends_with_its_others():
+    logits = torch.zeros(3, 20)
+    rows = [Row(SamplingParams(), [1, 2, 3, 4], 2), Row(SamplingParams(), [3, 4], 2), Row(SamplingParams(), [5], 1)]
+    for row, words in zip(rows, ([[7], [3, 4, 9], [4, 10], [2, 11]], [[3, 4, 12]], None)):
+        row.bad_words_ids = words
+    apply_bad_words(logits, rows, on_cpu)
+    # row 0: 7 always, 9 (output ends 3, 4), 10 (ends 4); not 11 (its 2 is the prompt's); row 1: 3, 4 are prompt
+    assert torch.isinf(logits[0]).nonzero().squeeze(1).tolist() == [7, 9, 10]
+    assert not torch.isinf(logits[1:]).any()
 
 
 def test_min_p_keeps_the_tokens_within_min_p_of_the_likeliest():
@@ -180,7 +193,25 @@ def test_allowed_token_ids_and_logit_bias_steer_greedy_and_sampled_rows(llama):
     assert out[4] == plain
 
 
+def test_bad_words_are_never_completed(llama):
+    """Output steered to two one-character tokens (allowed_token_ids); its first token, then its first two
+    tokens as one word, banned: neither shows up again (each word tokenizes back to the output's tokens)."""
+    llm = LLM(str(llama), dtype="float32")
+    tokenizer = llm.engine.tokenizer
+    allowed = [tokenizer.encode(c, add_special_tokens=False)[0] for c in ("x", "z")]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    row = {"prompt": "the quick brown fox", "allowed_token_ids": allowed}
+    plain = llm.generate_list([row], greedy)[0]["output_token_ids"]
+    for n in (1, 2):
+        word = tokenizer.decode(plain[:n])
+        assert plain[:n] in bad_word_ids(tokenizer, [word])  # (so the ban can fail: the word was generated)
+        out = llm.generate_list([{**row, "bad_words": [word]}], greedy)[0]["output_token_ids"]
+        assert not any(out[i:i + n] == plain[:n] for i in range(len(out))), (word, out)
+
+
 @pytest.mark.parametrize("field, value, message", [
+    ("bad_words", "word", "bad_words must be a list of strings, got str"),
+    ("bad_words", ["ok", " "], "bad_words[1] must be a non-blank string, got a blank string"),
     ("logit_bias", {"7": -101}, "logit_bias['7'] must be in [-100, 100], got -101.0"),
     ("logit_bias", {"a": 1}, "logit_bias key 'a' is not a token id"),
     ("logit_bias", {str(VOCAB + 5): 1}, f"logit_bias holds token id {VOCAB + 5}, outside the vocabulary"),

@@ -323,11 +323,12 @@ def test_sums_before_norms_defer_all_or_none(tiny_model):
 
 
 def test_penalized_and_biased_rows_match_tp1(tiny_model):
-    """Rows with penalties, min-p, logit_bias or allowed_token_ids beside plain sampled rows, squeezed: rank 0
-    adjusts the gathered logits and samples (no row takes the shards' sampling), the others follow its tokens."""
+    """Rows with penalties, min-p, logit_bias, bad_words or allowed_token_ids beside plain sampled rows, squeezed:
+    rank 0 adjusts the gathered logits and samples (no row takes the shards' sampling), the others follow its
+    tokens."""
     model_dir = tiny_model("llama")
     extras = [{"repetition_penalty": 1.5}, {"frequency_penalty": 1.0, "presence_penalty": 0.5}, {"min_p": 0.2},
-              {"logit_bias": {"7": 5.0}}, {"allowed_token_ids": [3, 5, 7, 11]}, {}]
+              {"logit_bias": {"7": 5.0}, "bad_words": ["the", "fox"]}, {"allowed_token_ids": [3, 5, 7, 11]}, {}]
     rows = [{"prompt_token_ids": p, "seed": i, **extra} for i, (p, extra) in enumerate(zip(prompts(), extras))]
     sampling = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)
     single, double = [generate(model_dir, tp, rows, sampling, **SQUEEZED) for tp in (1, 2)]
