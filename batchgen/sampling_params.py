@@ -131,8 +131,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether allowed_token_ids or logit_bias changes the logits before sampling."""
-        return bool(self.allowed_token_ids) or bool(self.logit_bias)
+        """Whether the row's own logit changes apply (executor/logits_processors.py): allowed_token_ids,
+        logit_bias, bad words, penalties."""
+        return bool(self.allowed_token_ids) or bool(self.logit_bias) or self.needs_tokens
 
     @property
     def penalized(self) -> bool:

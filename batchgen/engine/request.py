@@ -4,6 +4,7 @@ work on (built on the engine thread)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import weakref
 from array import array
@@ -144,6 +145,11 @@ class RequestPreparer:
         except ValueError as e:  # a FieldError, or a value SamplingParams refuses
             return RequestError(str(e))
 
+    @functools.cached_property
+    def _default_bad_word_ids(self) -> list[list[int]]:
+        """The job's default bad words tokenized once, not for every row that keeps them."""
+        return bad_word_ids(self.tokenizer, self.defaults.bad_words)
+
     def _finish(self, row: dict, c: _Checked) -> PreparedRequest | RequestError:
         if not c.ids:
             return RequestError(f"{c.field} tokenizes to no tokens")
@@ -157,7 +163,9 @@ class RequestPreparer:
             )
         extras = {k: v for k, v in row.items() if k not in KNOWN_FIELDS}
         outputs = tuple(name for name in LOGPROB_OPTIONS if c.options.get(name))
-        bad = bad_word_ids(self.tokenizer, c.params.bad_words) if c.params.bad_words else None
+        words = c.params.bad_words
+        bad = None if not words else self._default_bad_word_ids if words == self.defaults.bad_words else (
+            bad_word_ids(self.tokenizer, words))
         return PreparedRequest(row.get("id"), c.ids, c.params, extras, outputs, time.monotonic(),
                                c.options.get("top_logprobs"), c.structured, bad)
 
@@ -272,10 +280,10 @@ class Sequence:
         # build_sequence (model_runner.ModelRunner.logits_dtype)
         self.plain_sampling = False
         # its own logit changes before sampling (executor/logits_processors.py), and whether its sampling
-        # waits for the step before to be read back (a grammar or a penalty needs those tokens): flags set
-        # once by build_sequence, read by every step
-        self.adjusts_logits = params.needs_tokens or params.adjusts_logits
-        self.samples_late = params.needs_tokens
+        # waits for the step before to be read back (a grammar, a penalty or bad words need those tokens):
+        # set once by build_sequence from its params, read by every step
+        self.adjusts_logits = False
+        self.samples_late = False
 
     @property
     def num_tokens(self) -> int:
@@ -322,9 +330,11 @@ def build_sequence(prepared: PreparedRequest, eos_ids: list[int]) -> Sequence:
         seq.num_top_logprobs, seq.top_logprobs = prepared.top_logprobs, []
     seq.structured = prepared.structured
     seq.bad_words_ids = prepared.bad_words_ids
-    seq.samples_late = seq.samples_late or seq.structured is not None
+    params = seq.params
+    seq.adjusts_logits = params.adjusts_logits
+    seq.samples_late = params.needs_tokens or seq.structured is not None
     seq.plain_sampling = (not prepared.outputs and prepared.top_logprobs is None and seq.structured is None
-                          and not seq.params.truncates and not seq.adjusts_logits and seq.params.min_tokens == 0)
+                          and not params.truncates and not seq.adjusts_logits and params.min_tokens == 0)
     return seq
 
 

@@ -276,12 +276,14 @@ class Sampler:
             [[p.top_k if p.top_k > 0 else self.vocab_size for p in params], [p.seed or 0 for p in params], generated],
             torch.int64,
         )
-        temperatures, top_ps, min_ps = self._stage(
-            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]], torch.float32)
+        floats = [[p.temperature for p in params], [p.top_p for p in params]]
+        if any(p.min_p > 0 for p in params):  # (staged only where a row has min-p)
+            floats.append([p.min_p for p in params])
+        temperatures, top_ps, *min_ps = self._stage(floats, torch.float32)
         batch = SamplingBatch(
             temperatures=temperatures, top_ks=top_ks, top_ps=top_ps, seeds=seeds, steps=steps, all_greedy=False,
             use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-            banned_rows=banned[0], banned_ids=banned[1], min_ps=min_ps if any(p.min_p > 0 for p in params) else None,
+            banned_rows=banned[0], banned_ids=banned[1], min_ps=min_ps[0] if min_ps else None,
         )
         self._kept = None if banned_rows else KeptSampling(list(seqs), generated, batch)
         return batch
